@@ -1,0 +1,65 @@
+"""One drafter forward on a micro-batch: target features in, DFlash loss and metrics out.
+
+Shared by training (with backward) and by evaluation's teacher-forced streak (without), so the
+number training shows and the number eval reports come from the same code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dflash.attention import BlockLayout, build_mask
+from dflash.model import DFlashDrafter
+from dflash.objective import Blocks, LossOutput, build_blocks, dflash_loss, sample_anchors
+from dflash.target import TargetOutputs
+
+
+@dataclass
+class StepSettings:
+    max_anchors: int
+    slot_weights: torch.Tensor  # [B]
+    attention_backend: str  # "sdpa" or "flex" (already resolved)
+    kl_weight: float = 0.0
+    lm_head_chunk: int = 4096
+
+
+class DrafterStep:
+    """Wires the drafter to the target's frozen embedding and lm_head (shared, not copied)."""
+
+    def __init__(self, drafter: DFlashDrafter, embed_tokens: nn.Module, lm_head: nn.Module, settings: StepSettings):
+        self.drafter = drafter
+        self.embed_tokens = embed_tokens
+        self.lm_head = lm_head
+        self.settings = settings
+
+    def make_blocks(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, layout: BlockLayout) -> Blocks:
+        return build_blocks(input_ids, loss_mask, layout, self.drafter.mask_token_id)
+
+    def sample_blocks(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, generator: torch.Generator) -> Blocks:
+        layout = sample_anchors(loss_mask, self.settings.max_anchors, self.drafter.block_size, generator)
+        return self.make_blocks(input_ids, loss_mask, layout)
+
+    def hidden(self, blocks: Blocks, features: torch.Tensor) -> torch.Tensor:
+        """Drafter output [b, Q, D] for all blocks at once, under the DFlash attention mask."""
+        b, s = features.shape[:2]
+        context_positions = torch.arange(s, device=features.device)[None].expand(b, -1)
+        with torch.no_grad():
+            block_embeds = self.embed_tokens(blocks.input_ids)
+        mask = build_mask(blocks.layout, self.settings.attention_backend)
+        return self.drafter(block_embeds, blocks.positions, features, context_positions, mask)
+
+    def loss(self, blocks: Blocks, target: TargetOutputs, noise_std: float = 0.0) -> LossOutput:
+        """Weighted CE (+KL) of the blocks; `noise_std` > 0 adds Gaussian noise to the features
+        (drawn from the global RNG, which checkpoints save and restore)."""
+        features = target.features
+        if noise_std > 0:
+            features = features + noise_std * torch.randn_like(features)
+        hidden = self.hidden(blocks, features)
+        teacher = target.final_hidden if self.settings.kl_weight > 0 else None
+        return dflash_loss(
+            hidden, blocks, self.lm_head, self.settings.slot_weights,
+            teacher_hidden=teacher, kl_weight=self.settings.kl_weight, chunk_size=self.settings.lm_head_chunk,
+        )

@@ -1,0 +1,185 @@
+"""The DFlash training objective: anchors -> blocks -> weighted cross-entropy (+ KL), metrics.
+
+Shapes: b sequences of padded length S, N blocks per sequence (padded), B slots per block,
+Q = N * B query positions per sequence.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dflash.attention import BlockLayout
+
+
+def default_gamma(block_size: int) -> float:
+    """Slot-weight decay of the published recipe: 7 for B=16, 5 for B=10, 4 for B=8."""
+    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size * 7.0 / 16.0))
+
+
+def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """w_j = exp(-(j-1)/gamma) for slots j = 1..B-1; slot 0 (the anchor) weighs 0."""
+    j = torch.arange(block_size, dtype=torch.float32)
+    weights = torch.exp(-(j - 1) / gamma)
+    weights[0] = 0.0
+    return weights
+
+
+def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
+    """[b, S] bool: positions a where the loss mask holds at a and a+1 (response tokens)."""
+    candidates = torch.zeros_like(loss_mask)
+    candidates[:, :-1] = loss_mask[:, :-1] & loss_mask[:, 1:]
+    return candidates
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor, max_anchors: int, block_size: int, generator: torch.Generator
+) -> BlockLayout:
+    """Up to `max_anchors` anchors per sequence, uniformly without replacement among the
+    candidates, sorted. Padding blocks (anchor 0, valid False) fill shorter rows."""
+    candidates = anchor_candidates(loss_mask)
+    scores = torch.rand(candidates.shape, generator=generator).to(candidates.device)
+    scores = scores.masked_fill(~candidates, -1.0)
+    count = int(candidates.sum(dim=1).clamp(max=max_anchors).max().item())
+    count = max(count, 1)
+    top = scores.topk(count, dim=1)
+    valid = top.values >= 0
+    anchors = torch.where(valid, top.indices, torch.zeros_like(top.indices))
+    # Sort real anchors ascending; padding (pushed to the end with a large key) keeps anchor 0.
+    order = torch.where(valid, anchors, torch.full_like(anchors, loss_mask.shape[1])).argsort(dim=1)
+    return BlockLayout(
+        anchors=anchors.gather(1, order),
+        valid=valid.gather(1, order),
+        context_len=loss_mask.shape[1],
+        block_size=block_size,
+    )
+
+
+@dataclass
+class Blocks:
+    """Everything the drafter forward and the loss need about the blocks of a micro-batch."""
+
+    layout: BlockLayout
+    input_ids: torch.Tensor  # [b, Q] anchor token then mask tokens
+    positions: torch.Tensor  # [b, Q] absolute position a + j
+    labels: torch.Tensor  # [b, Q] x[a + j] (0 where out of range)
+    label_mask: torch.Tensor  # [b, Q] scored: real block, j >= 1, a + j in the response
+
+
+def build_blocks(
+    input_ids: torch.Tensor, loss_mask: torch.Tensor, layout: BlockLayout, mask_token_id: int
+) -> Blocks:
+    """Block inputs `[x_a, MASK, ...]`, positions and labels: slot j is scored on x[a + j]."""
+    s, block_size = input_ids.shape[1], layout.block_size
+    j = torch.arange(block_size, device=input_ids.device)
+    positions = layout.anchors[:, :, None] + j  # [b, N, B]
+    in_range = positions < s
+    safe = positions.clamp(max=s - 1)
+    labels = input_ids.gather(1, safe.flatten(1)).view_as(positions)
+    scored = loss_mask.gather(1, safe.flatten(1)).view_as(positions) & in_range
+    scored &= layout.valid[:, :, None] & (j >= 1)
+    block_ids = torch.full_like(positions, mask_token_id)
+    block_ids[:, :, 0] = labels[:, :, 0]
+    return Blocks(
+        layout=layout,
+        input_ids=block_ids.flatten(1),
+        positions=positions.flatten(1),
+        labels=torch.where(scored, labels, torch.zeros_like(labels)).flatten(1),
+        label_mask=scored.flatten(1),
+    )
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor  # scalar, what backward sees
+    ce: torch.Tensor  # weighted cross-entropy part (detached)
+    kl: torch.Tensor  # weighted KL part (detached; 0 when distillation is off)
+    slot_correct: torch.Tensor  # [B] correct predictions per slot (detached)
+    slot_count: torch.Tensor  # [B] scored predictions per slot
+    block_streaks: torch.Tensor  # [#blocks] leading correct slots of each real block
+    weight_sum: torch.Tensor  # sum of w * m, the loss normaliser
+
+
+def dflash_loss(
+    hidden: torch.Tensor,
+    blocks: Blocks,
+    lm_head: torch.nn.Module,
+    weights: torch.Tensor,
+    teacher_hidden: torch.Tensor | None = None,
+    kl_weight: float = 0.0,
+    chunk_size: int = 4096,
+) -> LossOutput:
+    """sum(w * m * CE) / sum(w * m) over scored slots (+ kl_weight * the same-weighted KL to
+    the target's distribution). Only scored positions go through the lm_head, in chunks, so the
+    [positions x vocab] logits never exist all at once.
+
+    hidden [b, Q, D] drafter output; teacher_hidden [b, S, D] the target's final normed hidden
+    state: its row a+j-1 gives the target's distribution for x[a+j].
+    """
+    b, q = blocks.label_mask.shape
+    bs = blocks.layout.block_size
+    slot = torch.arange(q, device=hidden.device) % bs
+    mask = blocks.label_mask
+    sel = mask.nonzero(as_tuple=True)
+    w = weights.to(hidden.device)[slot][None].expand(b, q)[sel]
+    labels = blocks.labels[sel]
+    h = hidden[sel]
+    teacher_rows = (blocks.positions - 1)[sel] if teacher_hidden is not None else None
+    ce_sum = hidden.new_zeros((), dtype=torch.float32)
+    kl_sum = hidden.new_zeros((), dtype=torch.float32)
+    correct = torch.zeros(h.shape[0], dtype=torch.bool, device=h.device)
+    for start in range(0, h.shape[0], chunk_size):
+        part = slice(start, start + chunk_size)
+        logits = lm_head(h[part]).float()
+        ce_sum = ce_sum + (F.cross_entropy(logits, labels[part], reduction="none") * w[part]).sum()
+        correct[part] = logits.argmax(-1) == labels[part]
+        if teacher_hidden is not None and kl_weight > 0:
+            with torch.no_grad():
+                t = teacher_hidden[sel[0][part], teacher_rows[part]]
+                teacher_logp = F.log_softmax(lm_head(t).float(), dim=-1)
+            kl = F.kl_div(F.log_softmax(logits, -1), teacher_logp, log_target=True, reduction="none").sum(-1)
+            kl_sum = kl_sum + (kl * w[part]).sum()
+    weight_sum = w.sum().clamp(min=1e-6)
+    ce = ce_sum / weight_sum
+    kl = kl_sum / weight_sum
+    loss = ce + kl_weight * kl if kl_weight > 0 else ce
+    slots = slot[sel[1]]
+    slot_correct = torch.zeros(bs, device=h.device).index_add_(0, slots, correct.float())
+    slot_count = torch.zeros(bs, device=h.device).index_add_(0, slots, torch.ones_like(w))
+    return LossOutput(
+        loss=loss,
+        ce=ce.detach(),
+        kl=kl.detach(),
+        slot_correct=slot_correct,
+        slot_count=slot_count,
+        block_streaks=block_streaks(correct, mask, bs),
+        weight_sum=weight_sum.detach(),
+    )
+
+
+def block_streaks(correct: torch.Tensor, mask: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Teacher-forced streak of every block: how many slots 1.. are right before the first miss
+    (an unscored slot ends the streak). `correct` is aligned with mask.nonzero()."""
+    full = torch.zeros(mask.shape, dtype=torch.bool, device=mask.device)
+    full[mask] = correct
+    per_block = full.view(mask.shape[0], -1, block_size)[:, :, 1:]
+    has_label = mask.view(mask.shape[0], -1, block_size)[:, :, 1].flatten()
+    streak = per_block.long().cumprod(dim=-1).sum(dim=-1).flatten()
+    return streak[has_label]
+
+
+def expected_acceptance_length(slot_accuracy: torch.Tensor) -> float:
+    """EAL = sum_{k=1}^{B-1} prod_{j<=k} acc_j over slots 1..B-1 (the +1 bonus NOT included)."""
+    acc = slot_accuracy[1:].double()
+    return float(torch.cumprod(acc, dim=0).sum())
+
+
+def feature_noise_std(step: int, total_steps: int, start_std: float) -> float:
+    """Gaussian feature-noise std: cosine decay from `start_std` to 0 over the run."""
+    if start_std <= 0 or total_steps <= 0:
+        return 0.0
+    progress = min(step / total_steps, 1.0)
+    return start_std * 0.5 * (1.0 + math.cos(math.pi * progress))

@@ -1,0 +1,161 @@
+"""The frozen target: any HF causal LM whose decoder layers can be hooked.
+
+We take the outputs of K chosen decoder layers with forward hooks (never all hidden states),
+and stop the forward after the deepest of them when nothing later is needed.
+Layer id `l` means the OUTPUT of decoder layer `l` (HF `hidden_states[l + 1]`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+
+class TargetError(ValueError):
+    """A target model that cannot be used, with what to do about it."""
+
+
+def default_target_layer_ids(num_layers: int, num_features: int) -> list[int]:
+    """`num_features` layer ids spaced uniformly from 1 to num_layers-3 (e.g. 36 layers, 5
+    features -> [1, 9, 17, 25, 33]); shallow targets fall back to the whole depth."""
+    if num_features < 1 or num_features > num_layers:
+        raise TargetError(
+            f"--num-target-features {num_features}: the target has {num_layers} layers; "
+            f"pick 1..{num_layers} or pass --target-layer-ids explicitly"
+        )
+    for first, last in ((1, num_layers - 3), (0, num_layers - 1)):
+        if last >= first:
+            ids = torch.linspace(first, last, num_features).round().long().tolist()
+            if len(set(ids)) == num_features:
+                return ids
+    return list(range(num_features))
+
+
+def check_target_layer_ids(layer_ids: list[int], num_layers: int) -> None:
+    if not layer_ids or any(not 0 <= i < num_layers for i in layer_ids) or len(set(layer_ids)) != len(layer_ids):
+        raise TargetError(
+            f"--target-layer-ids {layer_ids}: need distinct ids in [0, {num_layers - 1}] "
+            f"(the target has {num_layers} decoder layers)"
+        )
+
+
+def load_target_config(path: str):
+    """The target's config, read without touching the weights (for early checks)."""
+    if not Path(path).exists():
+        raise TargetError(f"--target {path}: no such directory; pass a local HF model folder")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise TargetError(f"--target {path}: cannot read an HF config there ({err})") from err
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+class _StopForward(Exception):
+    """Raised by the deepest feature hook: the rest of the target is not needed."""
+
+
+@dataclass
+class TargetOutputs:
+    features: torch.Tensor  # [b, S, K*D] outputs of the K feature layers, concatenated
+    final_hidden: torch.Tensor | None = None  # [b, S, D] final normed hidden (for distillation)
+    logits: torch.Tensor | None = None  # [b, S, V] only when asked (decoding)
+
+
+class FrozenTarget:
+    """A frozen HF causal LM with feature capture; also lends its embedding and lm_head."""
+
+    def __init__(self, model: nn.Module, layer_ids: list[int]):
+        self.model = model.eval().requires_grad_(False)
+        self.decoder = model.base_model
+        self.layers = self._decoder_layers()
+        check_target_layer_ids(layer_ids, len(self.layers))
+        self.layer_ids = list(layer_ids)
+        self.embed_tokens = model.get_input_embeddings()
+        self.lm_head = model.get_output_embeddings()
+        params = inspect.signature(model.forward).parameters
+        # transformers renamed `past_key_values` to `cache` in 5.2x; accept both versions.
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    @classmethod
+    def load(cls, path: str, layer_ids: list[int], dtype: torch.dtype, device: torch.device) -> "FrozenTarget":
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        except (OSError, ValueError) as err:
+            raise TargetError(f"--target {path}: cannot load a causal LM ({err})") from err
+        return cls(model.to(device), layer_ids)
+
+    def _decoder_layers(self) -> nn.ModuleList:
+        layers = getattr(self.decoder, "layers", None)
+        if not isinstance(layers, nn.ModuleList):
+            raise TargetError(
+                f"{type(self.model).__name__}: its decoder has no `layers` list to hook; "
+                "DFlash needs a decoder-only model like Qwen3 or Llama"
+            )
+        return layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.embed_tokens.weight.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @contextlib.contextmanager
+    def _capture(self, stop_after_deepest: bool):
+        captured: dict[int, torch.Tensor] = {}
+        deepest = max(self.layer_ids)
+
+        def hook_for(layer_id: int):
+            def hook(module, args, output):
+                captured[layer_id] = output[0] if isinstance(output, tuple) else output
+                if stop_after_deepest and layer_id == deepest:
+                    raise _StopForward
+
+            return hook
+
+        handles = [self.layers[i].register_forward_hook(hook_for(i)) for i in self.layer_ids]
+        try:
+            yield captured
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _stack(self, captured: dict[int, torch.Tensor]) -> torch.Tensor:
+        return torch.cat([captured[i] for i in self.layer_ids], dim=-1)
+
+    @torch.no_grad()
+    def features(self, input_ids: torch.Tensor, with_final_hidden: bool = False) -> TargetOutputs:
+        """Features of every position of right-padded `input_ids` [b, S]. Causal attention means
+        real tokens never see the padding after them, so no attention mask is needed."""
+        with self._capture(stop_after_deepest=not with_final_hidden) as captured:
+            try:
+                out = self.decoder(input_ids=input_ids, use_cache=False)
+            except _StopForward:
+                out = None
+        final = out.last_hidden_state if out is not None else None
+        return TargetOutputs(features=self._stack(captured), final_hidden=final)
+
+    @torch.no_grad()
+    def decode_step(self, input_ids: torch.Tensor, cache) -> TargetOutputs:
+        """Forward of new tokens [b, T] over a KV cache (mutated): logits and features."""
+        start = cache.get_seq_length()
+        positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)[None]
+        with self._capture(stop_after_deepest=False) as captured:
+            out = self.model(
+                input_ids=input_ids, position_ids=positions, use_cache=True, **{self._cache_kwarg: cache}
+            )
+        return TargetOutputs(features=self._stack(captured), logits=out.logits)
+
+    @staticmethod
+    def crop_cache(cache, length: int) -> None:
+        """Drop cached positions >= length (negative crop means "remove", in every version)."""
+        extra = cache.get_seq_length() - length
+        if extra > 0:
+            cache.crop(-extra)
