@@ -1,0 +1,143 @@
+"""Typed run configuration, parsed from CLI flags or a JSON/YAML file by HfArgumentParser.
+
+Fields left at None take the published DFlash recipe, or the demo preset when no `--target`
+is given (the shipped demo target and data, sized to finish in minutes on a laptop CPU).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from transformers import HfArgumentParser
+
+from dflash.demo import DEMO_HELDOUT_DATA, DEMO_TARGET_DIR, DEMO_TRAIN_DATA
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_BUCKETS = [0, 770, 1216, 1728, 2432, 3296, 8192]
+
+
+class ConfigError(ValueError):
+    """A flag value that cannot work, named with the fix."""
+
+
+@dataclass
+class ModelArgs:
+    target: str | None = field(default=None, metadata={"help": "HF causal-LM folder (default: the shipped demo target)"})
+    tokenizer: str | None = field(default=None, metadata={"help": "tokenizer folder with a chat template (default: --target)"})
+    num_draft_layers: int | None = field(default=None, metadata={"help": "drafter layers (recipe 5, demo 2)"})
+    target_layer_ids: list[int] | None = field(default=None, metadata={"help": "target layers whose outputs feed the drafter"})
+    num_target_features: int = field(default=5, metadata={"help": "K, when --target-layer-ids is not given"})
+    block_size: int = field(default=16, metadata={"help": "B, tokens drafted per forward"})
+    mask_token_id: int | None = field(default=None, metadata={"help": "default: tokenizer mask token, else first unused embedding row"})
+    attention_backend: str = field(default="auto", metadata={"help": "auto | sdpa | flex"})
+
+
+@dataclass
+class DataArgs:
+    train_data: str | None = field(default=None, metadata={"help": "chat JSONL (default: demo data)"})
+    eval_data: str | None = field(default=None, metadata={"help": "held-out chat JSONL for the final evaluation"})
+    max_length: int | None = field(default=None, metadata={"help": "tokens per sequence (recipe 3072, demo 512)"})
+    overflow: str = field(default="truncate", metadata={"help": "longer sequences: truncate | drop"})
+    bucket_boundaries: list[int] = field(default_factory=lambda: list(DEFAULT_BUCKETS))
+    max_tokens: int | None = field(default=None, metadata={"help": "padded tokens per micro-batch (recipe 8192, demo 4096)"})
+
+
+@dataclass
+class TrainArgs:
+    output_dir: str = field(default="runs/demo")
+    deepspeed_config: str | None = field(default=None, metadata={"help": "DeepSpeed JSON (default: ds_configs/zero1.json on GPU, cpu.json on CPU)"})
+    device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
+    epochs: int | None = field(default=None, metadata={"help": "recipe 6, demo 2"})
+    max_steps: int = field(default=-1, metadata={"help": "stop after this many optimizer steps (-1: all epochs)"})
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    grad_accum: int = 1
+    max_anchors: int | None = field(default=None, metadata={"help": "A, anchors per sequence (recipe 512, demo 64)"})
+    gamma: float | None = field(default=None, metadata={"help": "slot-weight decay (default 7 for B=16, 5 for B=10, 4 for B=8)"})
+    kl_weight: float = field(default=0.0, metadata={"help": "weight of the KL to the target distribution (0: off)"})
+    feature_noise_std: float = field(default=0.0, metadata={"help": "initial std of feature noise, cosine-decayed to 0"})
+    seed: int = 0
+    log_every: int = 10
+    report_to: str = field(default="wandb", metadata={"help": "wandb | none (metrics.jsonl is always written)"})
+    wandb_mode: str = field(default="offline", metadata={"help": "offline (no account needed) | online | disabled"})
+    eval_prompts: int = field(default=16, metadata={"help": "held-out prompts decoded at the end (0: skip)"})
+    eval_max_new_tokens: int = 96
+
+
+RECIPE = {"num_draft_layers": 5, "epochs": 6, "max_anchors": 512, "max_length": 3072, "max_tokens": 8192}
+DEMO = {"num_draft_layers": 2, "epochs": 2, "max_anchors": 64, "max_length": 512, "max_tokens": 4096}
+
+
+@dataclass
+class RunConfig:
+    model: ModelArgs
+    data: DataArgs
+    train: TrainArgs
+
+    @property
+    def is_demo(self) -> bool:
+        return self.model.target is None or Path(self.model.target).resolve() == DEMO_TARGET_DIR.resolve()
+
+
+def parse_config(argv: list[str] | None = None) -> RunConfig:
+    """Flags, or a single .json/.yaml file holding the same names."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = HfArgumentParser((ModelArgs, DataArgs, TrainArgs))
+    if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
+        loader = parser.parse_json_file if argv[0].endswith(".json") else parser.parse_yaml_file
+        model, data, train = loader(argv[0])
+    else:
+        model, data, train = parser.parse_args_into_dataclasses(argv)
+    config = RunConfig(model, data, train)
+    fill_defaults(config)
+    validate(config)
+    return config
+
+
+def fill_defaults(config: RunConfig) -> None:
+    preset = DEMO if config.is_demo else RECIPE
+    for part in (config.model, config.data, config.train):
+        for f in fields(part):
+            if f.name in preset and getattr(part, f.name) is None:
+                setattr(part, f.name, preset[f.name])
+    if config.model.target is None:
+        config.model.target = str(DEMO_TARGET_DIR)
+        config.data.train_data = config.data.train_data or str(DEMO_TRAIN_DATA)
+        config.data.eval_data = config.data.eval_data or str(DEMO_HELDOUT_DATA)
+    config.model.tokenizer = config.model.tokenizer or config.model.target
+    if config.data.train_data is None:
+        raise ConfigError("--train-data is required with --target: pass a chat JSONL file")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(config: RunConfig) -> None:
+    """Checks that need no model or data: they fail in a second, not after loading."""
+    m, d, t = config.model, config.data, config.train
+    _require(Path(m.target).is_dir(), f"--target {m.target}: no such folder; pass a local HF model folder")
+    _require(Path(m.tokenizer).is_dir(), f"--tokenizer {m.tokenizer}: no such folder")
+    _require(Path(d.train_data).is_file(), f"--train-data {d.train_data}: no such file; pass a chat JSONL file")
+    if d.eval_data is not None:
+        _require(Path(d.eval_data).is_file(), f"--eval-data {d.eval_data}: no such file")
+    _require(d.overflow in ("truncate", "drop"), f"--overflow {d.overflow}: use truncate or drop")
+    _require(m.num_draft_layers >= 1, f"--num-draft-layers {m.num_draft_layers}: need at least 1")
+    _require(2 <= m.block_size <= d.max_length,
+             f"--block-size {m.block_size}: need 2 <= block size <= --max-length ({d.max_length})")
+    _require(1 <= t.max_anchors < d.max_length,
+             f"--max-anchors {t.max_anchors}: need 1 <= anchors < --max-length ({d.max_length}); "
+             "a sequence cannot hold more anchors than positions")
+    _require(d.max_tokens >= d.max_length,
+             f"--max-tokens {d.max_tokens}: a micro-batch must hold one full sequence (--max-length {d.max_length})")
+    _require(d.bucket_boundaries == sorted(d.bucket_boundaries) and len(d.bucket_boundaries) >= 1,
+             f"--bucket-boundaries {d.bucket_boundaries}: must be ascending")
+    _require(t.grad_accum >= 1, f"--grad-accum {t.grad_accum}: need at least 1")
+    _require(t.report_to in ("wandb", "none"), f"--report-to {t.report_to}: use wandb or none")
+    _require(t.kl_weight >= 0 and t.feature_noise_std >= 0, "--kl-weight and --feature-noise-std must be >= 0")
+    _require(t.device in ("auto", "cpu", "cuda"), f"--device {t.device}: use auto, cpu or cuda")

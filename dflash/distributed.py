@@ -1,0 +1,89 @@
+"""Process-group set-up that works under deepspeed, torchrun, accelerate or plain python.
+
+Launchers export RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT; a plain `python` run gets
+a one-process group on a free local port, so the same code path (and a real DeepSpeed engine)
+serves every case.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass
+class RankInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _fill_single_process_env() -> None:
+    if "WORLD_SIZE" in os.environ:
+        return
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+
+
+def pick_device(requested: str, local_rank: int) -> torch.device:
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda: no CUDA device is visible; use --device cpu")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(requested_device: str, timeout_minutes: float = 10.0) -> RankInfo:
+    """Join (or create) the default process group: NCCL on CUDA, gloo on CPU. Collectives
+    that wait longer than the timeout raise instead of hanging."""
+    _fill_single_process_env()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = pick_device(requested_device, local_rank)
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed  # after DS_ACCELERATOR is settled: DeepSpeed reads it at import
+
+    if not dist.is_initialized():
+        deepspeed.init_distributed(
+            dist_backend="nccl" if device.type == "cuda" else "gloo",
+            timeout=timedelta(minutes=timeout_minutes),
+        )
+    info = RankInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
+    setup_logging(info.rank)
+    return info
+
+
+def setup_logging(rank: int) -> None:
+    """Every record carries its rank; only rank 0 speaks at INFO, others at WARNING."""
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        force=True,
+    )
+
+
+def shutdown() -> None:
+    """Barrier then destroy: a rank that exits without it can abort at exit (rc -6)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -1,0 +1,77 @@
+"""Export the drafter as an HF folder the public DFlash loaders read, and load it back.
+
+config.json: a Qwen3 config (num_hidden_layers = drafter layers) plus
+  architectures ["DFlashDraftModel"], block_size, num_target_layers,
+  dflash_config {mask_token_id, target_layer_ids}.
+model.safetensors: top-level names (`layers.N.self_attn.q_proj.weight`, `fc.weight`,
+  `hidden_norm.weight`, `norm.weight`, ...); no embedding, no lm_head (they are the target's).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import Qwen3Config
+
+from dflash.model import DFlashDrafter
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+DFLASH_FIELDS = ("block_size", "num_target_layers", "dflash_config")
+
+
+def exported_config(drafter: DFlashDrafter) -> dict:
+    config = drafter.config.to_dict()
+    rope = config.get("rope_parameters") or {}
+    # Loaders built on older transformers read rope_theta / rope_scaling directly.
+    config["rope_theta"] = rope.get("rope_theta", 10000.0)
+    config["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else rope
+    config["layer_types"] = ["full_attention"] * drafter.config.num_hidden_layers
+    config["architectures"] = ["DFlashDraftModel"]
+    config["model_type"] = "qwen3"
+    config["dtype"] = str(next(drafter.parameters()).dtype).removeprefix("torch.")
+    return config
+
+
+def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write config.json + model.safetensors atomically (a temp folder renamed into place)."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    state = {name: tensor.detach().to("cpu", dtype).contiguous() for name, tensor in drafter.state_dict().items()}
+    save_file(state, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
+    config = exported_config(drafter)
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    return out_dir
+
+
+def load_drafter(path: str | Path, dtype: torch.dtype | None = None) -> DFlashDrafter:
+    """Load an exported drafter folder (ours or any with the same names)."""
+    path = Path(path)
+    config_file = path / CONFIG_NAME
+    if not config_file.is_file():
+        raise FileNotFoundError(f"--drafter {path}: no {CONFIG_NAME}; pass a folder written by the export step")
+    raw = json.loads(config_file.read_text())
+    missing = [name for name in DFLASH_FIELDS if name not in raw]
+    if missing:
+        raise ValueError(f"{config_file}: not a DFlash drafter config (missing {missing})")
+    extras = {name: raw.pop(name) for name in DFLASH_FIELDS}
+    for legacy in ("rope_theta", "rope_scaling"):
+        raw.pop(legacy, None)
+    config = Qwen3Config(**raw)
+    for name, value in extras.items():
+        setattr(config, name, value)
+    drafter = DFlashDrafter(config)
+    state = load_file(path / WEIGHTS_NAME)
+    drafter.load_state_dict(state, strict=True)
+    return drafter.to(dtype) if dtype is not None else drafter

@@ -1,0 +1,106 @@
+"""Training metrics: accumulate over a logging window, write JSONL (+ W&B), print one line."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from dflash.objective import LossOutput, expected_acceptance_length
+
+logger = logging.getLogger(__name__)
+
+
+class WindowMetrics:
+    """Sums over the steps since the last log; `summary()` turns them into rates."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss_sum = 0.0
+        self.ce_sum = 0.0
+        self.kl_sum = 0.0
+        self.micro_batches = 0
+        self.slot_correct = torch.zeros(self.block_size, dtype=torch.float64)
+        self.slot_count = torch.zeros(self.block_size, dtype=torch.float64)
+        self.streak_sum = 0.0
+        self.blocks = 0
+        self.tokens = 0
+        self.draft_positions = 0
+        self.started = time.perf_counter()
+
+    def add(self, out: LossOutput, tokens: int) -> None:
+        self.loss_sum += float(out.loss.detach())
+        self.ce_sum += float(out.ce)
+        self.kl_sum += float(out.kl)
+        self.micro_batches += 1
+        self.slot_correct += out.slot_correct.double().cpu()
+        self.slot_count += out.slot_count.double().cpu()
+        self.streak_sum += float(out.block_streaks.sum())
+        self.blocks += int(out.block_streaks.numel())
+        self.tokens += tokens
+        self.draft_positions += int(out.block_streaks.numel()) * self.block_size
+
+    def summary(self) -> dict:
+        n = max(self.micro_batches, 1)
+        seconds = max(time.perf_counter() - self.started, 1e-9)
+        acc = (self.slot_correct / self.slot_count.clamp(min=1)).float()
+        return {
+            "loss": self.loss_sum / n,
+            "ce": self.ce_sum / n,
+            "kl": self.kl_sum / n,
+            "acc": [round(float(a), 4) for a in acc[1:]],
+            "eal": expected_acceptance_length(acc),
+            "streak": self.streak_sum / max(self.blocks, 1),
+            "tokens_per_s": self.tokens / seconds,
+            "draft_positions_per_s": self.draft_positions / seconds,
+        }
+
+
+class MetricsLogger:
+    """metrics.jsonl always; W&B (offline by default, no account needed) when asked."""
+
+    def __init__(self, output_dir: Path, report_to: str, wandb_mode: str, run_config: dict, enabled: bool):
+        self.enabled = enabled
+        self.path = output_dir / "metrics.jsonl"
+        self.wandb_run = None
+        if not enabled:
+            return
+        output_dir.mkdir(parents=True, exist_ok=True)
+        if report_to == "wandb" and wandb_mode != "disabled":
+            os.environ.setdefault("WANDB_SILENT", "true")
+            import wandb
+
+            self.wandb_run = wandb.init(
+                project="dflash-train", dir=str(output_dir), mode=wandb_mode, config=run_config, reinit=True
+            )
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.wandb_run is not None:
+            flat = {k: v for k, v in record.items() if isinstance(v, (int, float))}
+            flat.update({f"acc_{j + 1}": a for j, a in enumerate(record.get("acc", []))})
+            self.wandb_run.log(flat, step=record.get("step"))
+
+    def close(self) -> None:
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+def progress_line(record: dict, total_steps: int) -> str:
+    acc = record["acc"]
+    return (
+        f"step {record['step']}/{total_steps} | epoch {record['epoch'] + 1}/{record['epochs']} "
+        f"{100 * record['epoch_fraction']:.0f}% | loss {record['loss']:.3f} | acc1 {acc[0]:.3f} "
+        f"acc{len(acc)} {acc[-1]:.3f} | streak {record['streak']:.2f} EAL {record['eal']:.2f} | "
+        f"lr {record['lr']:.2e} | {record['tokens_per_s']:.0f} tok/s"
+    )

@@ -1,0 +1,136 @@
+"""Loss weights, EAL, anchor sampling bounds, the normalised loss, export round trip, and a
+short optimisation that must lower the loss and raise accuracy."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+
+from conftest import MASK_ID, tiny_drafter, tiny_target
+from dflash.attention import BlockLayout
+from dflash.drafter_step import DrafterStep, StepSettings
+from dflash.export import export_drafter, load_drafter
+from dflash.objective import (
+    anchor_candidates,
+    build_blocks,
+    default_gamma,
+    dflash_loss,
+    expected_acceptance_length,
+    sample_anchors,
+    slot_weights,
+)
+from dflash.target import default_target_layer_ids
+
+
+def test_slot_weights_follow_the_recipe():
+    w = slot_weights(16, 7.0)
+    assert w[0] == 0
+    for j in range(1, 16):
+        assert math.isclose(float(w[j]), math.exp(-(j - 1) / 7.0), rel_tol=1e-6)
+    assert (default_gamma(16), default_gamma(10), default_gamma(8)) == (7.0, 5.0, 4.0)
+
+
+def test_expected_acceptance_length_formula():
+    acc = torch.tensor([0.0, 0.9, 0.5, 0.2], dtype=torch.float64)  # slot 0 is ignored
+    assert math.isclose(expected_acceptance_length(acc), 0.9 + 0.9 * 0.5 + 0.9 * 0.5 * 0.2, rel_tol=1e-9)
+    assert expected_acceptance_length(torch.tensor([0.0, 1.0, 1.0, 1.0])) == 3.0
+
+
+def test_default_target_layers():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(8, 5) == [1, 2, 3, 4, 5]
+    assert len(set(default_target_layer_ids(4, 4))) == 4
+
+
+def test_anchor_sampling_bounds_and_reproducibility():
+    loss_mask = torch.zeros(3, 50, dtype=torch.bool)
+    loss_mask[0, 10:30] = True  # 19 candidates (a and a+1 in the response)
+    loss_mask[1, 5:8] = True
+    loss_mask[1, 20:22] = True  # 2 + 1 candidates
+    loss_mask[2, 49] = True  # a+1 would be past the end: no candidate
+    candidates = anchor_candidates(loss_mask)
+    assert candidates.sum(1).tolist() == [19, 3, 0]
+    for max_anchors in (1, 5, 100):
+        layout = sample_anchors(loss_mask, max_anchors, 4, torch.Generator().manual_seed(0))
+        for row in range(3):
+            chosen = layout.anchors[row][layout.valid[row]]
+            assert len(chosen) == min(max_anchors, int(candidates[row].sum()))
+            assert len(set(chosen.tolist())) == len(chosen), "without replacement"
+            assert candidates[row, chosen].all(), "only where the mask holds at a and a+1"
+            assert chosen.tolist() == sorted(chosen.tolist())
+    first = sample_anchors(loss_mask, 5, 4, torch.Generator().manual_seed(1))
+    again = sample_anchors(loss_mask, 5, 4, torch.Generator().manual_seed(1))
+    other = sample_anchors(loss_mask, 5, 4, torch.Generator().manual_seed(2))
+    assert torch.equal(first.anchors, again.anchors)
+    assert not torch.equal(first.anchors, other.anchors), "a new epoch seed re-samples"
+
+
+def test_loss_is_the_weight_normalised_cross_entropy():
+    torch.manual_seed(0)
+    b, s, bs, d, v = 1, 12, 4, 8, 11
+    ids = torch.randint(0, v, (b, s))
+    loss_mask = torch.zeros(b, s, dtype=torch.bool)
+    loss_mask[:, 3:10] = True
+    layout = BlockLayout(torch.tensor([[3, 7]]), torch.tensor([[True, True]]), s, bs)
+    blocks = build_blocks(ids, loss_mask, layout, v - 1)
+    hidden = torch.randn(b, 2 * bs, d)
+    head = torch.nn.Linear(d, v, bias=False)
+    w = slot_weights(bs, 2.0)
+    out = dflash_loss(hidden, blocks, head, w, chunk_size=3)
+    num = den = 0.0
+    for q in range(2 * bs):
+        if blocks.label_mask[0, q]:
+            wq = float(w[q % bs])
+            ce = torch.nn.functional.cross_entropy(head(hidden[0, q])[None], blocks.labels[0, q][None])
+            num += wq * float(ce.detach())
+            den += wq
+    assert math.isclose(float(out.loss), num / den, rel_tol=1e-5)
+    assert out.slot_count.tolist() == [0, 2, 2, 1]  # block at 7: slots 8, 9 in the mask; 10 is not
+
+
+def test_export_round_trip(tmp_path):
+    target = tiny_target("qwen3", dtype=torch.float32)
+    drafter = tiny_drafter(target, block_size=8, num_layers=2).float()
+    folder = export_drafter(drafter, tmp_path / "drafter", dtype=torch.float32)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["block_size"] == 8 and config["num_target_layers"] == 6
+    assert config["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": target.layer_ids}
+    assert config["num_hidden_layers"] == 2 and len(config["layer_types"]) == 2
+    from safetensors import safe_open
+
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.q_norm.weight",
+            "layers.0.mlp.gate_proj.weight", "layers.0.post_attention_layernorm.weight"} <= names
+    assert not any("embed" in n or "lm_head" in n or n.startswith("model.") for n in names)
+    loaded = load_drafter(folder)
+    for (name, a), (_, b) in zip(drafter.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert loaded.config.dflash_config == drafter.config.dflash_config
+
+
+def test_short_run_lowers_loss_and_raises_accuracy():
+    """A tiny target that repeats a short cycle is easy to draft: 60 steps must learn it."""
+    target = tiny_target("qwen3", dtype=torch.float32)
+    drafter = tiny_drafter(target, block_size=4).float()
+    settings = StepSettings(max_anchors=16, slot_weights=slot_weights(4, 4.0), attention_backend="sdpa")
+    step = DrafterStep(drafter, target.embed_tokens, target.lm_head, settings)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    cycle = torch.tensor([3, 14, 15, 92, 65, 35, 89, 79])
+    ids = torch.stack([cycle.roll(k).repeat(5) for k in range(4)])  # [4, 40]
+    loss_mask = torch.ones_like(ids, dtype=torch.bool)
+    loss_mask[:, :8] = False
+    features = target.features(ids)
+    history = []
+    for i in range(60):
+        blocks = step.sample_blocks(ids, loss_mask, torch.Generator().manual_seed(i))
+        out = step.loss(blocks, features)
+        optimizer.zero_grad()
+        out.loss.backward()
+        optimizer.step()
+        history.append((float(out.loss), float(out.slot_correct[1:].sum() / out.slot_count[1:].sum())))
+    assert history[-1][0] < 0.75 * history[0][0]
+    assert history[-1][1] > history[0][1] + 0.5

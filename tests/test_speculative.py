@@ -1,0 +1,60 @@
+"""Speculative decoding is lossless: its output equals plain greedy decoding."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import dflash.speculative as speculative
+from conftest import MASK_ID, tiny_drafter, tiny_target
+
+PROMPTS = [[5, 17, 3, 44, 9], [60, 2, 2, 2, 71, 30, 8, 1, 90, 12, 13]]
+NEW_TOKENS = 40
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_real_drafter_output_equals_greedy(arch, prompt):
+    target = tiny_target(arch)
+    drafter = tiny_drafter(target, block_size=4)
+    greedy = speculative.greedy_decode(target, prompt, NEW_TOKENS, eos_ids=set())
+    spec = speculative.speculative_decode(target, drafter, prompt, NEW_TOKENS, eos_ids=set())
+    assert len(greedy.tokens) == NEW_TOKENS
+    assert spec.tokens == greedy.tokens
+    assert all(0 <= k <= 3 for k in spec.accepted)
+
+
+def test_every_acceptance_length_stays_lossless(arch, monkeypatch):
+    """An oracle drafter that knows the greedy answer but errs at random slots drives the
+    verifier through every acceptance length 0..B-1: caches must be cropped and extended right."""
+    target = tiny_target(arch)
+    block = 6
+    drafter = tiny_drafter(target, block_size=block)
+    prompt = PROMPTS[1]
+    reference = prompt + speculative.greedy_decode(target, prompt, NEW_TOKENS + block, eos_ids=set()).tokens
+    rng = random.Random(0)
+
+    def oracle(target_, drafter_, context, last_token, anchor):
+        assert context.length == anchor, "drafter context must hold exactly the positions before the anchor"
+        assert last_token == reference[anchor]
+        guess = list(reference[anchor + 1: anchor + block])
+        if rng.random() < 0.6:
+            guess[rng.randrange(block - 1)] = MASK_ID - 1
+        return torch.tensor(guess)
+
+    monkeypatch.setattr(speculative, "propose_block", oracle)
+    spec = speculative.speculative_decode(target, drafter, prompt, NEW_TOKENS, eos_ids=set())
+    assert spec.tokens == reference[len(prompt):len(prompt) + NEW_TOKENS]
+    assert max(spec.accepted) == block - 1 and min(spec.accepted) < block - 1
+    assert spec.target_forwards < NEW_TOKENS / 2
+
+
+def test_stops_at_eos():
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    greedy = speculative.greedy_decode(target, PROMPTS[0], NEW_TOKENS, eos_ids=set())
+    eos = greedy.tokens[7]
+    expected = greedy.tokens[: greedy.tokens.index(eos) + 1]
+    assert speculative.greedy_decode(target, PROMPTS[0], NEW_TOKENS, {eos}).tokens == expected
+    assert speculative.speculative_decode(target, drafter, PROMPTS[0], NEW_TOKENS, {eos}).tokens == expected
