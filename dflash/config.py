@@ -130,9 +130,7 @@ def validate(config: RunConfig) -> None:
     _require(m.num_draft_layers >= 1, f"--num-draft-layers {m.num_draft_layers}: need at least 1")
     _require(2 <= m.block_size <= d.max_length,
              f"--block-size {m.block_size}: need 2 <= block size <= --max-length ({d.max_length})")
-    _require(1 <= t.max_anchors < d.max_length,
-             f"--max-anchors {t.max_anchors}: need 1 <= anchors < --max-length ({d.max_length}); "
-             "a sequence cannot hold more anchors than positions")
+    _require(t.max_anchors >= 1, f"--max-anchors {t.max_anchors}: need at least one anchor per sequence")
     _require(d.max_tokens >= d.max_length,
              f"--max-tokens {d.max_tokens}: a micro-batch must hold one full sequence (--max-length {d.max_length})")
     _require(d.bucket_boundaries == sorted(d.bucket_boundaries) and len(d.bucket_boundaries) >= 1,

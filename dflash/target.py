@@ -159,3 +159,21 @@ class FrozenTarget:
         extra = cache.get_seq_length() - length
         if extra > 0:
             cache.crop(-extra)
+
+
+def resolve_mask_token_id(tokenizer, target_config, requested: int | None) -> int:
+    """The block's MASK id: --mask-token-id, else the tokenizer's mask token, else the first
+    embedding row past the tokenizer (unused rows, as Qwen3 has), else an error."""
+    rows = target_config.vocab_size
+    if requested is not None:
+        if not 0 <= requested < rows:
+            raise TargetError(f"--mask-token-id {requested}: must be an embedding row in [0, {rows - 1}]")
+        return requested
+    if getattr(tokenizer, "mask_token_id", None) is not None:
+        return tokenizer.mask_token_id
+    if len(tokenizer) < rows:
+        return len(tokenizer)
+    raise TargetError(
+        f"the tokenizer uses all {rows} embedding rows of the target and has no mask token; pass "
+        "--mask-token-id with the id of a token the target never emits (e.g. an unused special token)"
+    )

@@ -86,7 +86,7 @@ def test_loss_is_the_weight_normalised_cross_entropy():
             ce = torch.nn.functional.cross_entropy(head(hidden[0, q])[None], blocks.labels[0, q][None])
             num += wq * float(ce.detach())
             den += wq
-    assert math.isclose(float(out.loss), num / den, rel_tol=1e-5)
+    assert math.isclose(float(out.loss.detach()), num / den, rel_tol=1e-5)
     assert out.slot_count.tolist() == [0, 2, 2, 1]  # block at 7: slots 8, 9 in the mask; 10 is not
 
 
@@ -131,6 +131,6 @@ def test_short_run_lowers_loss_and_raises_accuracy():
         optimizer.zero_grad()
         out.loss.backward()
         optimizer.step()
-        history.append((float(out.loss), float(out.slot_correct[1:].sum() / out.slot_count[1:].sum())))
+        history.append((float(out.loss.detach()), float(out.slot_correct[1:].sum() / out.slot_count[1:].sum())))
     assert history[-1][0] < 0.75 * history[0][0]
     assert history[-1][1] > history[0][1] + 0.5

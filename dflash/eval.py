@@ -1,0 +1,192 @@
+"""Judge a drafter by real speculative decoding on held-out prompts.
+
+    python -m dflash.eval --drafter runs/demo/drafter          # demo target and prompts
+    python -m dflash.eval --target T --drafter D --prompts heldout.jsonl
+
+Reports tau (tokens per target forward during drafting cycles, bonus token included),
+per-position acceptance, wall-clock speedup over plain greedy decoding of the same target,
+and, on the same prompts and the target's own continuations, the teacher-forced streak that
+training logs (bonus NOT included: compare tau with 1 + streak). The decoded text must equal
+plain greedy decoding; the command fails if it does not.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import HfArgumentParser
+
+from dflash.attention import BlockLayout, resolve_backend
+from dflash.data import load_chat_jsonl, load_tokenizer, prompt_ids
+from dflash.demo import DEMO_HELDOUT_DATA, DEMO_TARGET_DIR
+from dflash.distributed import pick_device, setup_logging
+from dflash.drafter_step import DrafterStep, StepSettings
+from dflash.export import load_drafter
+from dflash.model import DFlashDrafter
+from dflash.objective import anchor_candidates, expected_acceptance_length, slot_weights
+from dflash.speculative import greedy_decode, speculative_decode
+from dflash.target import FrozenTarget
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalArgs:
+    drafter: str = field(default="runs/demo/drafter", metadata={"help": "exported drafter folder"})
+    target: str = field(default=str(DEMO_TARGET_DIR))
+    tokenizer: str | None = field(default=None, metadata={"help": "default: --target"})
+    prompts: str = field(default=str(DEMO_HELDOUT_DATA), metadata={"help": "chat JSONL; the last assistant turn is dropped"})
+    num_prompts: int = 16
+    max_new_tokens: int = 96
+    device: str = "auto"
+    output: str | None = field(default=None, metadata={"help": "write the report as JSON here"})
+
+
+@dataclass
+class EvalReport:
+    prompts: int
+    tau: float  # generated tokens per verify forward (accepted drafts + 1 bonus)
+    acceptance: list[float]  # P(slot j accepted), j = 1..B-1
+    speedup: float  # greedy seconds / speculative seconds
+    greedy_seconds: float
+    speculative_seconds: float
+    tokens: int
+    lossless: bool
+    teacher_forced_acc: list[float] = field(default_factory=list)
+    teacher_forced_streak: float = 0.0  # mean leading correct slots per block (no bonus)
+    teacher_forced_eal: float = 0.0  # from per-slot accuracy (no bonus)
+
+    def summary(self) -> str:
+        acc = ", ".join(f"{a:.2f}" for a in self.acceptance[:8])
+        return (
+            f"tau {self.tau:.2f} (teacher-forced 1+streak {1 + self.teacher_forced_streak:.2f}, "
+            f"1+EAL {1 + self.teacher_forced_eal:.2f}) | speedup {self.speedup:.2f}x "
+            f"({self.greedy_seconds:.2f}s greedy, {self.speculative_seconds:.2f}s speculative) | "
+            f"acceptance by position [{acc}{', ...' if len(self.acceptance) > 8 else ''}] | "
+            f"{self.tokens} tokens, {self.prompts} prompts | lossless {self.lossless}"
+        )
+
+
+def eos_token_ids(tokenizer, target: FrozenTarget) -> set[int]:
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    generation = getattr(target.model, "generation_config", None)
+    extra = getattr(generation, "eos_token_id", None)
+    ids.update(extra if isinstance(extra, list) else [extra] if extra is not None else [])
+    return ids
+
+
+@torch.no_grad()
+def teacher_forced(target: FrozenTarget, drafter: DFlashDrafter, sequences: list[tuple[list[int], list[int]]]):
+    """Per-slot accuracy and streak with every response position as an anchor: what training
+    measures, on the target's own continuations of the eval prompts."""
+    device = target.device
+    block = drafter.block_size
+    settings = StepSettings(max_anchors=0, slot_weights=slot_weights(block, 1.0),
+                            attention_backend=resolve_backend("auto", device))
+    step = DrafterStep(drafter, target.embed_tokens, target.lm_head, settings)
+    correct = torch.zeros(block, dtype=torch.float64)
+    count = torch.zeros(block, dtype=torch.float64)
+    streaks: list[torch.Tensor] = []
+    for prompt, response in sequences:
+        ids = torch.tensor([prompt + response], device=device)
+        loss_mask = torch.zeros_like(ids, dtype=torch.bool)
+        loss_mask[:, len(prompt):] = True
+        anchors = anchor_candidates(loss_mask)[0].nonzero().flatten()[None]
+        if anchors.numel() == 0:
+            continue
+        layout = BlockLayout(anchors, torch.ones_like(anchors, dtype=torch.bool), ids.shape[1], block)
+        out = step.loss(step.make_blocks(ids, loss_mask, layout), target.features(ids))
+        correct += out.slot_correct.double().cpu()
+        count += out.slot_count.double().cpu()
+        streaks.append(out.block_streaks.double().cpu())
+    acc = correct / count.clamp(min=1)
+    streak = float(torch.cat(streaks).mean()) if streaks else 0.0
+    return [float(a) for a in acc[1:]], streak, expected_acceptance_length(acc)
+
+
+def evaluate(target: FrozenTarget, drafter: DFlashDrafter, prompts: list[list[int]], max_new_tokens: int,
+             eos_ids: set[int]) -> EvalReport:
+    drafter = drafter.to(target.device, target.embed_tokens.weight.dtype).eval()
+    greedy_decode(target, prompts[0], 4, eos_ids)  # warm-up: first calls pay one-off costs
+    speculative_decode(target, drafter, prompts[0], 4, eos_ids)
+    greedy_s = spec_s = 0.0
+    accepted: list[int] = []
+    tokens = 0
+    lossless = True
+    sequences = []
+    for prompt in prompts:
+        plain = greedy_decode(target, prompt, max_new_tokens, eos_ids)
+        spec = speculative_decode(target, drafter, prompt, max_new_tokens, eos_ids)
+        if spec.tokens != plain.tokens:
+            lossless = False
+            logger.error("speculative output differs from greedy on a prompt of %d tokens", len(prompt))
+        greedy_s += plain.seconds
+        spec_s += spec.seconds
+        accepted += spec.accepted
+        tokens += len(spec.tokens)
+        sequences.append((prompt, plain.tokens))
+    accepted_t = torch.tensor(accepted or [0], dtype=torch.float64)
+    block = drafter.block_size
+    acceptance = [float((accepted_t >= j).double().mean()) for j in range(1, block)]
+    tf_acc, tf_streak, tf_eal = teacher_forced(target, drafter, sequences)
+    return EvalReport(
+        prompts=len(prompts), tau=float(accepted_t.mean() + 1), acceptance=acceptance,
+        speedup=greedy_s / max(spec_s, 1e-9), greedy_seconds=greedy_s, speculative_seconds=spec_s,
+        tokens=tokens, lossless=lossless, teacher_forced_acc=tf_acc, teacher_forced_streak=tf_streak,
+        teacher_forced_eal=tf_eal,
+    )
+
+
+def load_prompts(path: str, tokenizer, limit: int) -> list[list[int]]:
+    conversations = load_chat_jsonl(path)[:limit]
+    return [prompt_ids(tokenizer, messages) for messages in conversations]
+
+
+def evaluate_drafters(
+    target_path: str, tokenizer_path: str, drafters: dict[str, str | Path], prompts_path: str,
+    num_prompts: int, max_new_tokens: int, device: torch.device,
+) -> dict[str, EvalReport]:
+    """Load the target once and judge each named drafter folder on the same prompts."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tokenizer = load_tokenizer(tokenizer_path)
+    loaded = {name: load_drafter(path) for name, path in drafters.items()}
+    layer_ids = {tuple(d.config.dflash_config["target_layer_ids"]) for d in loaded.values()}
+    if len(layer_ids) != 1:
+        raise ValueError(f"drafters {list(drafters)} read different target layers {sorted(layer_ids)}")
+    target = FrozenTarget.load(target_path, list(layer_ids.pop()), dtype, device)
+    prompts = load_prompts(prompts_path, tokenizer, num_prompts)
+    eos = eos_token_ids(tokenizer, target)
+    reports = {}
+    for name, drafter in loaded.items():
+        reports[name] = evaluate(target, drafter, prompts, max_new_tokens, eos)
+        logger.info("eval %s: %s", name, reports[name].summary())
+    return reports
+
+
+def write_reports(reports: dict[str, EvalReport], path: str | Path) -> None:
+    Path(path).write_text(json.dumps({k: asdict(v) for k, v in reports.items()}, indent=2) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    (args,) = HfArgumentParser(EvalArgs).parse_args_into_dataclasses(argv)
+    setup_logging(0)
+    device = pick_device(args.device, 0)
+    reports = evaluate_drafters(
+        args.target, args.tokenizer or args.target, {"drafter": args.drafter}, args.prompts,
+        args.num_prompts, args.max_new_tokens, device,
+    )
+    if args.output:
+        write_reports(reports, args.output)
+    if not all(r.lossless for r in reports.values()):
+        logger.error("speculative decoding changed the output: this is a bug, please report it")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Bad flags fail in a second with a message naming the flag (or file:line) and the fix,
+before any model is loaded."""
+
+from __future__ import annotations
+
+import pytest
+
+import train_drafter
+from conftest import tiny_causal_lm
+from dflash.target import TargetError, resolve_mask_token_id
+from tiny_tokenizer import make_tiny_tokenizer
+
+
+@pytest.fixture
+def paths(tmp_path):
+    target = tmp_path / "target"
+    target.mkdir()
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "hi", "response": "there"}\n')
+    return {"target": str(target), "data": str(data), "tmp": tmp_path}
+
+
+def fails_with(capsys, argv: list[str], *fragments: str) -> None:
+    assert train_drafter.main(argv) == 2
+    err = capsys.readouterr().err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+def test_missing_target_folder(capsys, paths):
+    fails_with(capsys, ["--target", str(paths["tmp"] / "nope"), "--train-data", paths["data"]], "--target", "no such folder")
+
+
+def test_target_without_data(capsys, paths):
+    fails_with(capsys, ["--target", paths["target"]], "--train-data is required")
+
+
+def test_missing_data_file(capsys, paths):
+    fails_with(capsys, ["--target", paths["target"], "--train-data", str(paths["tmp"] / "x.jsonl")], "--train-data", "no such file")
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--block-size", "1"], "--block-size 1"),
+    (["--block-size", "64", "--max-length", "32", "--max-tokens", "64"], "--block-size 64"),
+    (["--max-anchors", "0"], "--max-anchors 0"),
+    (["--overflow", "wrap"], "--overflow wrap"),
+    (["--max-tokens", "100", "--max-length", "512"], "--max-tokens 100"),
+    (["--report-to", "tensorboard"], "--report-to tensorboard"),
+])
+def test_impossible_settings(capsys, paths, flags, fragment):
+    fails_with(capsys, ["--target", paths["target"], "--train-data", paths["data"], *flags], fragment)
+
+
+def test_mask_token_resolution():
+    tokenizer = make_tiny_tokenizer()
+    spare = tiny_causal_lm(vocab_size=len(tokenizer) + 2).config
+    assert resolve_mask_token_id(tokenizer, spare, None) == len(tokenizer)
+    assert resolve_mask_token_id(tokenizer, spare, 5) == 5
+    with pytest.raises(TargetError, match="--mask-token-id 9999"):
+        resolve_mask_token_id(tokenizer, spare, 9999)
+    full = tiny_causal_lm(vocab_size=len(tokenizer)).config
+    with pytest.raises(TargetError, match="pass\n?.*--mask-token-id"):
+        resolve_mask_token_id(tokenizer, full, None)

@@ -1,0 +1,64 @@
+"""A tiny byte-level BPE tokenizer with a ChatML template, built in memory for tests.
+
+Nothing is read from disk or a hub: the vocabulary is the 256 byte symbols, three
+special tokens and a handful of hand-written merges, so it is deterministic and
+builds in a few milliseconds. Byte-level means any text round-trips exactly.
+"""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+PAD_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END)
+
+# Jinja string literals understand "\n", so the template text keeps the escape.
+CHATML_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+# Words that get whole-word tokens, so tokenized text is not just bytes.
+# A leading "Ġ" is the byte-level symbol for a space.
+_MERGED_WORDS = (
+    "system", "user", "assistant", "Hello", "Hi", "What", "The",
+    "Ġthe", "Ġa", "Ġis", "Ġof", "Ġand", "Ġto", "Ġyou", "Ġare", "Ġhow",
+    "Ġcat", "Ġdog", "Ġsat", "Ġon", "Ġmat", "Ġtoday", "Ġhelp", "Ġthere",
+)
+
+
+def _byte_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Specials first, then the byte alphabet, then left-to-right merges of each word."""
+    vocab: dict[str, int] = {}
+    for token in (*SPECIAL_TOKENS, *sorted(pre_tokenizers.ByteLevel.alphabet())):
+        vocab.setdefault(token, len(vocab))
+    merges: list[tuple[str, str]] = []
+    for word in _MERGED_WORDS:
+        for end in range(2, len(word) + 1):
+            left, right, merged = word[: end - 1], word[end - 1], word[:end]
+            if merged not in vocab:
+                vocab[merged] = len(vocab)
+                merges.append((left, right))
+    return vocab, merges
+
+
+def make_tiny_tokenizer(chat_template: bool = True) -> PreTrainedTokenizerFast:
+    """Return a fresh tiny tokenizer; `chat_template=False` leaves the template unset."""
+    vocab, merges = _byte_vocab_and_merges()
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token=IM_END,
+        pad_token=PAD_TOKEN,
+        additional_special_tokens=[IM_START],
+    )
+    if chat_template:
+        tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
