@@ -52,10 +52,13 @@ def main(argv: list[str] | None = None) -> int:
             final_evaluation(config, result, ranks.device)
     except USER_ERRORS as err:
         logger.error("%s", err)
+        shutdown(clean=False)
         return 2
+    except BaseException:
+        shutdown(clean=False)
+        raise
     shutdown()
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

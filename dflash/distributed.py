@@ -82,8 +82,10 @@ def setup_logging(rank: int) -> None:
     )
 
 
-def shutdown() -> None:
-    """Barrier then destroy: a rank that exits without it can abort at exit (rc -6)."""
+def shutdown(clean: bool = True) -> None:
+    """Barrier then destroy: a rank that exits without it can abort at exit (rc -6). After an
+    error there is no barrier (peers may never reach it); the group is only torn down."""
     if dist.is_initialized():
-        dist.barrier()
+        if clean:
+            dist.barrier()
         dist.destroy_process_group()

@@ -134,3 +134,32 @@ def test_short_run_lowers_loss_and_raises_accuracy():
         history.append((float(out.loss.detach()), float(out.slot_correct[1:].sum() / out.slot_count[1:].sum())))
     assert history[-1][0] < 0.75 * history[0][0]
     assert history[-1][1] > history[0][1] + 0.5
+
+
+def test_distillation_uses_the_target_distribution_of_the_previous_position():
+    """Slot j predicts x[a+j]; the target's distribution for that token sits at row a+j-1."""
+    torch.manual_seed(0)
+    s, bs, d, v = 10, 4, 8, 13
+    ids = torch.randint(0, v, (1, s))
+    loss_mask = torch.ones(1, s, dtype=torch.bool)
+    layout = BlockLayout(torch.tensor([[2, 5]]), torch.tensor([[True, True]]), s, bs)
+    blocks = build_blocks(ids, loss_mask, layout, v - 1)
+    head = torch.nn.Linear(d, v, bias=False)
+    teacher = torch.randn(1, s, d)
+    hidden = teacher[0, (blocks.positions[0] - 1).clamp(min=0)][None]  # drafter == teacher
+    w = slot_weights(bs, 2.0)
+    matched = dflash_loss(hidden, blocks, head, w, teacher_hidden=teacher, kl_weight=1.0)
+    assert float(matched.kl) < 1e-6
+    shifted = teacher[0, blocks.positions[0].clamp(max=s - 1)][None]  # off by one position
+    off = dflash_loss(shifted, blocks, head, w, teacher_hidden=teacher, kl_weight=1.0)
+    assert float(off.kl) > 0.01
+    assert math.isclose(float(off.loss.detach()), float(off.ce + off.kl), rel_tol=1e-5)
+
+
+def test_feature_noise_schedule_decays_to_zero():
+    from dflash.objective import feature_noise_std
+
+    assert feature_noise_std(0, 100, 0.1) == 0.1
+    assert 0 < feature_noise_std(50, 100, 0.1) < 0.1
+    assert feature_noise_std(100, 100, 0.1) == 0.0
+    assert feature_noise_std(10, 100, 0.0) == 0.0
