@@ -41,7 +41,7 @@ class DataArgs:
     max_length: int | None = field(default=None, metadata={"help": "tokens per sequence (recipe 3072, demo 512)"})
     overflow: str = field(default="truncate", metadata={"help": "longer sequences: truncate | drop"})
     bucket_boundaries: list[int] = field(default_factory=lambda: list(DEFAULT_BUCKETS))
-    max_tokens: int | None = field(default=None, metadata={"help": "padded tokens per micro-batch (recipe 8192, demo 4096)"})
+    max_tokens: int | None = field(default=None, metadata={"help": "padded tokens per micro-batch (recipe 8192, demo 2048)"})
 
 
 @dataclass
@@ -56,7 +56,7 @@ class TrainArgs:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     grad_accum: int = 1
-    max_anchors: int | None = field(default=None, metadata={"help": "A, anchors per sequence (recipe 512, demo 64)"})
+    max_anchors: int | None = field(default=None, metadata={"help": "A, anchors per sequence (recipe 512, demo 16)"})
     gamma: float | None = field(default=None, metadata={"help": "slot-weight decay (default 7 for B=16, 5 for B=10, 4 for B=8)"})
     kl_weight: float = field(default=0.0, metadata={"help": "weight of the KL to the target distribution (0: off)"})
     feature_noise_std: float = field(default=0.0, metadata={"help": "initial std of feature noise, cosine-decayed to 0"})
@@ -69,7 +69,7 @@ class TrainArgs:
 
 
 RECIPE = {"num_draft_layers": 5, "epochs": 6, "max_anchors": 512, "max_length": 3072, "max_tokens": 8192}
-DEMO = {"num_draft_layers": 2, "epochs": 2, "max_anchors": 64, "max_length": 512, "max_tokens": 4096}
+DEMO = {"num_draft_layers": 2, "epochs": 2, "max_anchors": 16, "max_length": 512, "max_tokens": 2048}
 
 
 @dataclass

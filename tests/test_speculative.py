@@ -58,3 +58,24 @@ def test_stops_at_eos():
     expected = greedy.tokens[: greedy.tokens.index(eos) + 1]
     assert speculative.greedy_decode(target, PROMPTS[0], NEW_TOKENS, {eos}).tokens == expected
     assert speculative.speculative_decode(target, drafter, PROMPTS[0], NEW_TOKENS, {eos}).tokens == expected
+
+
+def test_demo_target_output_equals_greedy():
+    """The shipped demo target with its tokenizer and held-out prompts."""
+    from dflash.data import load_chat_jsonl, load_tokenizer, prompt_ids
+    from dflash.demo import DEMO_HELDOUT_DATA, DEMO_TARGET_DIR
+    from dflash.model import DFlashDrafter, drafter_config
+    from dflash.target import FrozenTarget, default_target_layer_ids, resolve_mask_token_id
+
+    tokenizer = load_tokenizer(DEMO_TARGET_DIR)
+    layers = default_target_layer_ids(8, 5)
+    target = FrozenTarget.load(str(DEMO_TARGET_DIR), layers, torch.float32, torch.device("cpu"))
+    mask_id = resolve_mask_token_id(tokenizer, target.model.config, None)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(drafter_config(target.model.config, 1, layers, 8, mask_id))
+    eos = {tokenizer.eos_token_id}
+    for messages in load_chat_jsonl(DEMO_HELDOUT_DATA)[:2]:
+        prompt = prompt_ids(tokenizer, messages)
+        greedy = speculative.greedy_decode(target, prompt, 48, eos)
+        assert len(greedy.tokens) > 8
+        assert speculative.speculative_decode(target, drafter, prompt, 48, eos).tokens == greedy.tokens

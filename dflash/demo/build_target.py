@@ -1,0 +1,249 @@
+"""Train the embedded demo target: a tokenizer and a tiny Qwen3 model, from scratch.
+
+The target only has to be good enough that its greedy continuations of Python code
+are plausible and fairly predictable, which is what gives a drafter something to
+learn. Everything is seeded; given ``--seed`` and ``--steps`` a rerun on the same
+software stack reproduces the weights. ``--minutes`` instead picks the number of
+steps from the measured speed of the first steps, and logs it so that the run can be
+repeated exactly with ``--steps``.
+
+    python -m dflash.demo.build_target --minutes 12
+"""
+
+import argparse
+import itertools
+import json
+import logging
+import math
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from statistics import mean
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+from dflash.demo import DEMO_TARGET_DIR
+from dflash.demo.corpus import CHAT_TEMPLATE, SnippetSampler, SourceFile, load_sources, user_prompt
+
+logger = logging.getLogger(__name__)
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Qwen2/3 pre-tokenization: digits split one by one and newlines end a pre-token,
+# so "assistant\n" tokenizes the same whether or not content follows it. That keeps
+# the chat template prefix-stable at the token level, not just as text.
+PRETOKENIZE_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PROMPT_LINES = (8, 20)
+RESPONSE_LINES = (10, 30)
+# Steps timed before the step budget is fixed; they lie inside the warmup, whose
+# schedule does not depend on the total, so a --minutes run equals a --steps run.
+CALIBRATION_STEPS = 10
+# Samples drawn at once and sorted by length so that batches need little padding.
+BUCKET_BATCHES = 8
+# Loss is reported as the mean over this many steps (also the start/end loss).
+LOG_EVERY = 25
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output-dir", type=Path, default=DEMO_TARGET_DIR)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--minutes", type=float, default=12.0, help="wall-clock training budget")
+    parser.add_argument("--steps", type=int, default=None, help="exact step count; overrides --minutes")
+    parser.add_argument("--vocab-size", type=int, default=2048, help="tokenizer size incl. special tokens")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--max-length", type=int, default=512)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warmup-steps", type=int, default=40)
+    parser.add_argument("--threads", type=int, default=2)
+    return parser.parse_args()
+
+
+def train_tokenizer(sources: list[SourceFile], vocab_size: int) -> PreTrainedTokenizerFast:
+    """Byte-level BPE over the training files, wrapped with the ChatML template."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(("\n".join(source.lines) for source in sources), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=2048,
+        padding_side="left",
+    )
+
+
+def build_config(tokenizer: PreTrainedTokenizerFast) -> Qwen3Config:
+    """Tiny Qwen3 sized to keep the bf16 checkpoint around 7 MB.
+
+    The vocab is padded to a multiple of 64 and always past len(tokenizer), leaving
+    embedding rows the target never emits (the drafter's mask token lives there).
+    """
+    vocab_size = (len(tokenizer) // 64 + 1) * 64
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=256,
+        intermediate_size=256,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def encode_sample(
+    tokenizer: PreTrainedTokenizerFast, code: str, answer: str, max_length: int
+) -> tuple[list[int], list[int]]:
+    """Token ids and labels; only the answer and its closing <|im_end|> are supervised."""
+    user = {"role": "user", "content": user_prompt(code)}
+    prompt = tokenizer.apply_chat_template([user], add_generation_prompt=True, tokenize=False)
+    full = tokenizer.apply_chat_template([user, {"role": "assistant", "content": answer}], tokenize=False)
+    # The raw tokenizer skips the wrapper's warning about texts longer than the model
+    # context; samples are cut to max_length below anyway.
+    prompt_ids = tokenizer.backend_tokenizer.encode(prompt).ids
+    ids = tokenizer.backend_tokenizer.encode(full).ids
+    if ids[: len(prompt_ids)] != prompt_ids:
+        raise ValueError("chat template is not prefix-stable for this sample")
+    # Drop the newline after the final <|im_end|>: generation stops before it.
+    ids = ids[:-1]
+    labels = [-100] * len(prompt_ids) + ids[len(prompt_ids) :]
+    return ids[:max_length], labels[:max_length]
+
+
+def batches(
+    sampler: SnippetSampler, tokenizer: PreTrainedTokenizerFast, batch_size: int, max_length: int, seed: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Endless padded batches, bucketed by length; the order depends only on the seed."""
+    rng = random.Random(seed + 1)
+    while True:
+        pool = [
+            encode_sample(tokenizer, *sampler.sample(PROMPT_LINES, RESPONSE_LINES), max_length)
+            for _ in range(batch_size * BUCKET_BATCHES)
+        ]
+        pool.sort(key=lambda pair: len(pair[0]))
+        groups = [pool[i : i + batch_size] for i in range(0, len(pool), batch_size)]
+        rng.shuffle(groups)
+        for group in groups:
+            yield collate(group, tokenizer.pad_token_id)
+
+
+def collate(group: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    width = max(len(ids) for ids, _ in group)
+    input_ids = torch.full((len(group), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(group), width), -100, dtype=torch.long)
+    attention_mask = torch.zeros((len(group), width), dtype=torch.long)
+    for row, (ids, row_labels) in enumerate(group):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        labels[row, : len(ids)] = torch.tensor(row_labels)
+        attention_mask[row, : len(ids)] = 1
+    return input_ids, attention_mask, labels
+
+
+def lr_factor(step: int, warmup: int, total: int) -> float:
+    """Linear warmup, then cosine decay to 10% of the peak."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def train(
+    model: Qwen3ForCausalLM, data: Iterator[tuple[torch.Tensor, ...]], args: argparse.Namespace
+) -> dict[str, float | int]:
+    """AdamW in fp32 for --steps, or for as many steps as fit into --minutes."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    total_steps = args.steps or 10**9
+    losses: list[float] = []
+    start = time.monotonic()
+    for step in itertools.count():
+        if step == total_steps:
+            break
+        if args.steps is None and step == CALIBRATION_STEPS:
+            per_step = (time.monotonic() - start) / CALIBRATION_STEPS
+            total_steps = max(args.warmup_steps + 1, int(args.minutes * 60 / per_step))
+            logger.info(
+                "%.2fs per step: training for %d steps (repeat with --steps %d)",
+                per_step, total_steps, total_steps
+            )
+        lr = args.lr * lr_factor(step, args.warmup_steps, total_steps)
+        set_lr(optimizer, lr)
+        input_ids, attention_mask, labels = next(data)
+        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if (step + 1) % LOG_EVERY == 0:
+            logger.info("step %d/%d loss %.3f lr %.2e", step + 1, total_steps, mean(losses[-LOG_EVERY:]), lr)
+    return {
+        "steps": total_steps,
+        "loss_start": mean(losses[:LOG_EVERY]),
+        "loss_end": mean(losses[-LOG_EVERY:]),
+        "minutes": round((time.monotonic() - start) / 60, 2),
+    }
+
+
+def save(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, output_dir: Path) -> None:
+    """Write a bf16 checkpoint that loads with the Auto* classes, plus greedy defaults."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    model = model.to(torch.bfloat16)
+    model.generation_config = GenerationConfig(
+        do_sample=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    sources = load_sources(heldout=False)
+    logger.info("training on %d stdlib files (%d lines)", len(sources), sum(len(s.lines) for s in sources))
+    tokenizer = train_tokenizer(sources, args.vocab_size)
+    config = build_config(tokenizer)
+    logger.info("tokenizer has %d tokens; model vocab_size %d", len(tokenizer), config.vocab_size)
+    model = Qwen3ForCausalLM(config)
+    logger.info("model has %.2fM parameters", sum(p.numel() for p in model.parameters()) / 1e6)
+    sampler = SnippetSampler(sources, args.seed)
+    stats = train(model, batches(sampler, tokenizer, args.batch_size, args.max_length, args.seed), args)
+    save(model, tokenizer, args.output_dir)
+    summary = {"seed": args.seed, "len_tokenizer": len(tokenizer), "vocab_size": config.vocab_size, **stats}
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
