@@ -29,8 +29,12 @@ class StepSettings:
 class DrafterStep:
     """Wires the drafter to the target's frozen embedding and lm_head (shared, not copied)."""
 
-    def __init__(self, drafter: DFlashDrafter, embed_tokens: nn.Module, lm_head: nn.Module, settings: StepSettings):
+    def __init__(
+        self, drafter: DFlashDrafter, embed_tokens: nn.Module, lm_head: nn.Module, settings: StepSettings,
+        forward: nn.Module | None = None,
+    ):
         self.drafter = drafter
+        self.forward = forward or drafter  # the DeepSpeed engine when training
         self.embed_tokens = embed_tokens
         self.lm_head = lm_head
         self.settings = settings
@@ -49,7 +53,7 @@ class DrafterStep:
         with torch.no_grad():
             block_embeds = self.embed_tokens(blocks.input_ids)
         mask = build_mask(blocks.layout, self.settings.attention_backend)
-        return self.drafter(block_embeds, blocks.positions, features, context_positions, mask)
+        return self.forward(block_embeds, blocks.positions, features, context_positions, mask)
 
     def loss(self, blocks: Blocks, target: TargetOutputs, noise_std: float = 0.0) -> LossOutput:
         """Weighted CE (+KL) of the blocks; `noise_std` > 0 adds Gaussian noise to the features
