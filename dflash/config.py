@@ -49,6 +49,9 @@ class TrainArgs:
     output_dir: str = field(default="runs/demo")
     deepspeed_config: str | None = field(default=None, metadata={"help": "DeepSpeed JSON (default: ds_configs/zero1.json on GPU, cpu.json on CPU)"})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
+    target_ranks: str = field(default="colocated", metadata={"help": "colocated | auto | T (ranks running the target)"})
+    credits: int = field(default=4, metadata={"help": "split mode: feature requests in flight per drafter/target pair"})
+    transport_timeout_s: float = field(default=300.0, metadata={"help": "split mode: a peer silent this long ends the run"})
     epochs: int | None = field(default=None, metadata={"help": "recipe 6, demo 2"})
     max_steps: int = field(default=-1, metadata={"help": "stop after this many optimizer steps (-1: all epochs)"})
     lr: float = 6e-4
@@ -135,6 +138,7 @@ def validate(config: RunConfig) -> None:
              f"--max-tokens {d.max_tokens}: a micro-batch must hold one full sequence (--max-length {d.max_length})")
     _require(d.bucket_boundaries == sorted(d.bucket_boundaries) and len(d.bucket_boundaries) >= 1,
              f"--bucket-boundaries {d.bucket_boundaries}: must be ascending")
+    _require(t.credits >= 1, f"--credits {t.credits}: need at least 1")
     _require(t.grad_accum >= 1, f"--grad-accum {t.grad_accum}: need at least 1")
     _require(t.report_to in ("wandb", "none"), f"--report-to {t.report_to}: use wandb or none")
     _require(t.kl_weight >= 0 and t.feature_noise_std >= 0, "--kl-weight and --feature-noise-std must be >= 0")

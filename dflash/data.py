@@ -1,4 +1,4 @@
-"""Chat data -> tokenized shards -> length-bucketed micro-batches.
+"""Chat data -> tokenized shards -> padded batches (dflash/sampler.py picks the indices).
 
 Pipeline:
   load_chat_jsonl      JSONL conversations, validated with file:line errors
@@ -6,7 +6,6 @@ Pipeline:
   tokenize_conversation  chat-template token ids + loss mask on assistant tokens
   prepare_dataset      writes a memmap shard directory (reused when up to date)
   TokenDataset         read-only view of a shard
-  LengthBucketBatcher  index batches under a padded-token budget
   collate              right-padded tensors for one batch
 """
 
@@ -18,7 +17,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -510,92 +509,6 @@ class TokenDataset:
 
 # ---------------------------------------------------------------------------
 # Batching
-
-
-class LengthBucketBatcher:
-    """Batches of sample indices of similar length, each within a padded-token budget.
-
-    Samples go to the bucket [boundaries[k], boundaries[k+1]) holding their
-    length (longer than the last boundary: last bucket). Each epoch the buckets
-    are shuffled, cut greedily into batches whose batch_size * longest length
-    stays <= max_tokens, and the batches are shuffled; all seeded by (seed,
-    epoch). With drop_last, a bucket's final batch is dropped when it is
-    under-filled, i.e. one more sample of its longest length would still fit.
-    """
-
-    def __init__(
-        self,
-        lengths: Sequence[int] | np.ndarray,
-        boundaries: list[int],
-        max_tokens: int,
-        seed: int,
-        shuffle: bool = True,
-        drop_last: bool = False,
-    ) -> None:
-        self.lengths = np.asarray(lengths, dtype=np.int64)
-        if not boundaries or np.any(np.diff(boundaries) <= 0):
-            raise DataError(f"bucket boundaries must be a non-empty increasing list, got {boundaries}")
-        if max_tokens < 1:
-            raise DataError(f"--max-tokens must be positive, got {max_tokens}")
-        too_long = np.flatnonzero(self.lengths > max_tokens)
-        if len(too_long):
-            first = int(too_long[0])
-            raise DataError(f"sample {first} has {self.lengths[first]} tokens, more than "
-                            f"--max-tokens={max_tokens} ({len(too_long)} such samples); raise "
-                            f"--max-tokens to at least {self.lengths.max()} or lower --max-length")
-        self.boundaries = list(boundaries)
-        self.max_tokens = max_tokens
-        self.seed = seed
-        self.shuffle = shuffle
-        self.drop_last = drop_last
-        self.epoch = 0
-        buckets = np.searchsorted(self.boundaries, self.lengths, side="right") - 1
-        self._bucket_of = np.clip(buckets, 0, len(self.boundaries) - 1)
-        self._cached: tuple[int, list[list[int]]] | None = None
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self) -> Iterator[list[int]]:
-        return iter([list(batch) for batch in self._epoch_batches()])
-
-    def __len__(self) -> int:
-        return len(self._epoch_batches())
-
-    def _epoch_batches(self) -> list[list[int]]:
-        """The current epoch's batches, computed once per epoch."""
-        if self._cached is None or self._cached[0] != self.epoch:
-            self._cached = (self.epoch, self._build_batches(self.epoch))
-        return self._cached[1]
-
-    def _build_batches(self, epoch: int) -> list[list[int]]:
-        rng = np.random.default_rng([self.seed, epoch])
-        batches: list[list[int]] = []
-        for bucket in range(len(self.boundaries)):
-            members = np.flatnonzero(self._bucket_of == bucket)
-            if self.shuffle:
-                members = rng.permutation(members)
-            batches.extend(self._pack(members))
-        if self.shuffle:
-            batches = [batches[i] for i in rng.permutation(len(batches))]
-        return batches
-
-    def _pack(self, members: np.ndarray) -> list[list[int]]:
-        """Greedily cut one bucket's ordered samples into batches within the token budget."""
-        batches: list[list[int]] = []
-        batch: list[int] = []
-        longest = 0
-        for index in members.tolist():
-            length = int(self.lengths[index])
-            if batch and (len(batch) + 1) * max(longest, length) > self.max_tokens:
-                batches.append(batch)
-                batch, longest = [], 0
-            batch.append(index)
-            longest = max(longest, length)
-        underfilled = (len(batch) + 1) * longest <= self.max_tokens
-        if batch and not (self.drop_last and underfilled):
-            batches.append(batch)
-        return batches
 
 
 def collate(dataset: TokenDataset, indices: list[int], pad_id: int) -> dict[str, torch.Tensor]:

@@ -67,3 +67,14 @@ class DrafterStep:
             hidden, blocks, self.lm_head, self.settings.slot_weights,
             teacher_hidden=teacher, kl_weight=self.settings.kl_weight, chunk_size=self.settings.lm_head_chunk,
         )
+
+    def empty_loss(self) -> LossOutput:
+        """A zero loss wired to every parameter: a rank with no samples at a step still joins
+        the gradient all-reduce, so data-parallel ranks stay in lockstep."""
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        zero = sum(p.sum() for p in params) * 0.0
+        bs = self.drafter.block_size
+        nothing = torch.zeros(bs, device=zero.device)
+        return LossOutput(loss=zero, ce=zero.detach(), kl=zero.detach(), slot_correct=nothing,
+                          slot_count=nothing.clone(), block_streaks=torch.zeros(0, device=zero.device),
+                          weight_sum=zero.detach())

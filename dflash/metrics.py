@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from dflash.objective import LossOutput, expected_acceptance_length
 
@@ -47,19 +48,32 @@ class WindowMetrics:
         self.tokens += tokens
         self.draft_positions += int(out.block_streaks.numel()) * self.block_size
 
-    def summary(self) -> dict:
-        n = max(self.micro_batches, 1)
+    def summary(self, group=None) -> dict:
+        """Rates over the window, summed over the ranks of `group` (the drafter ranks) when given;
+        throughputs are per rank of that group."""
+        scalars = torch.tensor([self.loss_sum, self.ce_sum, self.kl_sum, self.micro_batches, self.streak_sum,
+                                self.blocks, self.tokens, self.draft_positions], dtype=torch.float64)
+        packed = torch.cat([scalars, self.slot_correct, self.slot_count])
+        ranks = 1
+        if group is not None and dist.is_initialized():
+            on_gpu = dist.get_backend(group) == "nccl"  # NCCL reduces CUDA tensors only
+            packed = packed.cuda() if on_gpu else packed
+            dist.all_reduce(packed, group=group)
+            packed, ranks = packed.cpu(), dist.get_world_size(group)
+        loss, ce, kl, micro, streak, blocks, tokens, positions = packed[:8].tolist()
+        correct, count = packed[8:8 + self.block_size], packed[8 + self.block_size:]
+        n = max(micro, 1)
         seconds = max(time.perf_counter() - self.started, 1e-9)
-        acc = (self.slot_correct / self.slot_count.clamp(min=1)).float()
+        acc = (correct / count.clamp(min=1)).float()
         return {
-            "loss": self.loss_sum / n,
-            "ce": self.ce_sum / n,
-            "kl": self.kl_sum / n,
+            "loss": loss / n,
+            "ce": ce / n,
+            "kl": kl / n,
             "acc": [round(float(a), 4) for a in acc[1:]],
             "eal": expected_acceptance_length(acc),
-            "streak": self.streak_sum / max(self.blocks, 1),
-            "tokens_per_s": self.tokens / seconds,
-            "draft_positions_per_s": self.draft_positions / seconds,
+            "streak": streak / max(blocks, 1),
+            "tokens_per_s": tokens / seconds / ranks,
+            "draft_positions_per_s": positions / seconds / ranks,
         }
 
 

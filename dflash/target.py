@@ -90,6 +90,27 @@ class FrozenTarget:
             raise TargetError(f"--target {path}: cannot load a causal LM ({err})") from err
         return cls(model.to(device), layer_ids)
 
+    @staticmethod
+    def load_embedding_and_head(path: str, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, nn.Module]:
+        """Only the input embedding and lm_head (tied or not), read straight from the
+        safetensors files: a split-mode drafter rank needs these two, not the whole target."""
+        config = AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+        names: dict[int, list[str]] = {}
+        for name, param in skeleton.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), []).append(name)
+        embed_names = names[id(skeleton.get_input_embeddings().weight)]
+        head_names = names[id(skeleton.get_output_embeddings().weight)]
+        tensors = _read_safetensors(Path(path), set(embed_names) | set(head_names))
+        # Tied weights are one parameter under several names, stored once under any of them.
+        embed_weight = next(tensors[n] for n in embed_names + head_names if n in tensors)
+        head_weight = next(tensors[n] for n in head_names + embed_names if n in tensors)
+        embed = nn.Embedding.from_pretrained(embed_weight.to(device, dtype), freeze=True)
+        head = nn.Linear(head_weight.shape[1], head_weight.shape[0], bias=False, device=device, dtype=dtype)
+        head.weight.data.copy_(head_weight)
+        return embed, head.requires_grad_(False)
+
     def _decoder_layers(self) -> nn.ModuleList:
         layers = getattr(self.decoder, "layers", None)
         if not isinstance(layers, nn.ModuleList):
@@ -177,3 +198,20 @@ def resolve_mask_token_id(tokenizer, target_config, requested: int | None) -> in
         f"the tokenizer uses all {rows} embedding rows of the target and has no mask token; pass "
         "--mask-token-id with the id of a token the target never emits (e.g. an unused special token)"
     )
+
+
+def _read_safetensors(folder: Path, wanted: set[str]) -> dict[str, torch.Tensor]:
+    """The named tensors from a (possibly sharded) safetensors checkpoint."""
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise TargetError(f"--target {folder}: no *.safetensors weights found")
+    found: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), "pt") as f:
+            for name in wanted & set(f.keys()):
+                found[name] = f.get_tensor(name)
+    if not found:
+        raise TargetError(f"--target {folder}: none of {sorted(wanted)} in its safetensors files")
+    return found

@@ -1,7 +1,9 @@
-"""The training run: config -> ranks -> data -> target -> drafter engine -> steps -> export -> eval.
+"""The training run: config -> topology -> data -> target -> transport -> drafter step -> metrics
+-> export.
 
-Colocated placement: every rank holds the frozen target and a drafter replica; DeepSpeed
-data-parallelises the drafter (ZeRO shards its optimizer state).
+Colocated: every rank holds the frozen target and a drafter replica. Split: target ranks only
+serve features; drafter ranks train one DeepSpeed engine whose data-parallel group (and ZeRO
+sharding) is the drafter ranks alone.
 """
 
 from __future__ import annotations
@@ -19,13 +21,15 @@ import torch.distributed as dist
 
 from dflash.attention import resolve_backend
 from dflash.config import REPO_ROOT, ConfigError, RunConfig
-from dflash.data import LengthBucketBatcher, TokenDataset, collate, load_tokenizer, prepare_dataset
+from dflash.data import TokenDataset, load_tokenizer, prepare_dataset
 from dflash.distributed import RankInfo
 from dflash.drafter_step import DrafterStep, StepSettings
 from dflash.export import export_drafter
+from dflash.feature_source import LocalFeatures, RemoteFeatures, compute_features
 from dflash.metrics import MetricsLogger, WindowMetrics, progress_line
 from dflash.model import DFlashDrafter, drafter_config
 from dflash.objective import default_gamma, feature_noise_std, slot_weights
+from dflash.sampler import RankAwareBucketSampler
 from dflash.target import (
     FrozenTarget,
     check_target_layer_ids,
@@ -33,12 +37,24 @@ from dflash.target import (
     load_target_config,
     resolve_mask_token_id,
 )
+from dflash.topology import (
+    CostShapes,
+    DrafterParallelism,
+    Topology,
+    drafter_groups,
+    parse_target_ranks,
+    plan_topology,
+    ranks_per_node,
+    suggest_target_ranks,
+)
+from dflash.transport import DrafterClient, TargetServer, TransportSpec, open_pair_groups
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class TrainResult:
+    role: str  # "drafter", "target" or "colocated"
     steps: int
     seconds: float
     drafter_dir: Path
@@ -54,11 +70,8 @@ def deepspeed_config(config: RunConfig, device: torch.device) -> dict:
     try:
         ds = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"--deepspeed-config {path}: cannot read it as JSON ({err})") from err
-    autos = {
-        "gradient_accumulation_steps": config.train.grad_accum,
-        "gradient_clipping": config.train.grad_clip,
-    }
+        raise ConfigError(f"--deepspeed-config {path}: cannot read it as JSON ({err})") from err
+    autos = {"gradient_accumulation_steps": config.train.grad_accum, "gradient_clipping": config.train.grad_clip}
     for key, value in autos.items():
         if ds.get(key, "auto") == "auto":
             ds[key] = value
@@ -81,15 +94,10 @@ def lr_lambda(total_steps: int, warmup_ratio: float):
     return factor
 
 
-def anchor_generator(seed: int, epoch: int, batch_index: int) -> torch.Generator:
-    """Anchors are re-sampled every epoch and reproducible from (seed, epoch, batch)."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + epoch) * 1_000_003 + batch_index)
-
-
-def rank_batches(batcher: LengthBucketBatcher, ranks: RankInfo, per_rank: int) -> list[list[int]]:
-    """This rank's share of the epoch's micro-batches: every world_size-th one, the same count
-    on every rank so data-parallel steps stay in lockstep."""
-    return list(batcher)[ranks.rank::ranks.world_size][:per_rank]
+def anchor_generator(seed: int, epoch: int, step: int, drafter_rank: int) -> torch.Generator:
+    """Anchors are re-sampled every epoch and reproducible from (seed, epoch, step, rank),
+    whichever rank computed the features."""
+    return torch.Generator().manual_seed(((seed * 1_000_003 + epoch) * 1_000_003 + step) * 1_009 + drafter_rank)
 
 
 def build_drafter_config(config: RunConfig, tokenizer):
@@ -102,111 +110,169 @@ def build_drafter_config(config: RunConfig, tokenizer):
 
 
 def prepare_data(config: RunConfig, tokenizer, ranks: RankInfo) -> TokenDataset:
-    """Rank 0 tokenizes (or reuses the cached shard); the others wait and open it."""
+    """Local rank 0 of every node tokenizes (or reuses the cached shard); the others wait."""
     shard = Path(config.train.output_dir) / "data" / "train"
-    if ranks.is_main:
+    if ranks.local_rank == 0:
         prepare_dataset(config.data.train_data, tokenizer, shard, config.data.max_length, config.data.overflow)
-    if dist.is_initialized():
-        dist.barrier()
+    dist.barrier()
     return TokenDataset(shard)
 
 
+def cost_shapes(dcfg, config: RunConfig) -> CostShapes:
+    deepest = max(dcfg.dflash_config["target_layer_ids"]) + 1
+    return CostShapes(
+        hidden=dcfg.hidden_size, intermediate=dcfg.intermediate_size, heads=dcfg.num_attention_heads,
+        kv_heads=dcfg.num_key_value_heads, head_dim=dcfg.head_dim, vocab=dcfg.vocab_size,
+        target_layers_run=dcfg.num_target_layers if config.train.kl_weight > 0 else deepest,
+        drafter_layers=dcfg.num_hidden_layers, num_features=len(dcfg.dflash_config["target_layer_ids"]),
+        anchors=config.train.max_anchors, block_size=dcfg.block_size,
+    )
+
+
+def place_ranks(config: RunConfig, ranks: RankInfo, dcfg, lengths) -> Topology:
+    requested = parse_target_ranks(config.train.target_ranks)
+    suggested, report = suggest_target_ranks(cost_shapes(dcfg, config), lengths, ranks.world_size)
+    logger.info("%s", report)
+    if requested == "auto":
+        requested = suggested if ranks.world_size > 1 else "colocated"
+    topology = plan_topology(requested, ranks.world_size, ranks_per_node(ranks.world_size))
+    logger.info("placement %s", topology.describe())
+    return topology
+
+
 def train(config: RunConfig, ranks: RankInfo) -> TrainResult:
+    device = ranks.device
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tokenizer = load_tokenizer(config.model.tokenizer)
+    dcfg = build_drafter_config(config, tokenizer)
+    dataset = prepare_data(config, tokenizer, ranks)
+    topology = place_ranks(config, ranks, dcfg, dataset.lengths)
+    data_group, self_group = drafter_groups(topology)
+    pairs = None if topology.colocated else open_pair_groups(topology.drafter_ranks, topology.target_ranks)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    with_final = config.train.kl_weight > 0
+    layer_ids = dcfg.dflash_config["target_layer_ids"]
+    spec = TransportSpec(
+        feature_dim=len(layer_ids) * dcfg.hidden_size, hidden_dim=dcfg.hidden_size, with_final_hidden=with_final,
+        feature_dtype=dtype, device=device, credits=config.train.credits, timeout_s=config.train.transport_timeout_s,
+    )
+    target = None
+    if topology.is_target(ranks.rank):
+        target = FrozenTarget.load(config.model.target, layer_ids, dtype, device)
+    if not topology.is_drafter(ranks.rank):
+        server = TargetServer(
+            ranks.rank, topology.drafter_ranks, spec,
+            lambda indices: compute_features(target, dataset, indices, pad_id, with_final), groups=pairs,
+        )
+        stats = server.serve()
+        logger.warning("target rank %d served %s", ranks.rank, stats)
+        out_dir = Path(config.train.output_dir)
+        return TrainResult("target", 0, 0.0, out_dir / "drafter", out_dir / "drafter-init", {})
+    if topology.colocated:
+        source = LocalFeatures(target, dataset, pad_id, with_final)
+    else:
+        client = DrafterClient(ranks.rank, topology.target_ranks, spec, dataset.lengths, topology.nodes, groups=pairs)
+        source = RemoteFeatures(client, device)
+    return train_drafter_rank(config, ranks, topology, dcfg, dataset, source, data_group, self_group, target)
+
+
+def train_drafter_rank(config, ranks, topology, dcfg, dataset, source, data_group, self_group, target) -> TrainResult:
     import deepspeed
 
     out_dir = Path(config.train.output_dir)
     device = ranks.device
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    torch.manual_seed(config.train.seed)
-
-    tokenizer = load_tokenizer(config.model.tokenizer)
-    dcfg = build_drafter_config(config, tokenizer)
-    dataset = prepare_data(config, tokenizer, ranks)
-    batcher = LengthBucketBatcher(
-        dataset.lengths, config.data.bucket_boundaries, config.data.max_tokens, seed=config.train.seed
+    drafter_rank = topology.drafter_ranks.index(ranks.rank)
+    is_main = drafter_rank == 0
+    sampler = RankAwareBucketSampler(
+        dataset.lengths, config.data.bucket_boundaries, config.data.max_tokens,
+        num_replicas=len(topology.drafter_ranks), seed=config.train.seed, num_epochs=config.train.epochs,
     )
-    batches_per_rank = len(batcher) // ranks.world_size
-    if batches_per_rank == 0:
-        raise ConfigError(
-            f"{len(batcher)} micro-batches per epoch cannot feed {ranks.world_size} ranks; "
-            "lower --max-tokens or add data"
-        )
-    steps_per_epoch = math.ceil(batches_per_rank / config.train.grad_accum)
+    steps_per_epoch = math.ceil(sampler.steps_per_epoch() / config.train.grad_accum)
     total_steps = steps_per_epoch * config.train.epochs
     if config.train.max_steps > 0:
         total_steps = min(total_steps, config.train.max_steps)
 
-    target = FrozenTarget.load(config.model.target, dcfg.dflash_config["target_layer_ids"], dtype, device)
+    torch.manual_seed(config.train.seed)  # same initial drafter whatever was loaded before
     drafter = DFlashDrafter(dcfg)
-    initial_dir = export_drafter(drafter, out_dir / "drafter-init") if ranks.is_main else out_dir / "drafter-init"
+    initial_dir = out_dir / "drafter-init"
+    if is_main:
+        export_drafter(drafter, initial_dir)
     optimizer = torch.optim.AdamW(
         drafter.parameters(), lr=config.train.lr, betas=(0.9, 0.95), weight_decay=config.train.weight_decay,
         fused=device.type == "cuda",
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total_steps, config.train.warmup_ratio))
     engine, _, _, _ = deepspeed.initialize(
-        model=drafter, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(config, device)
+        model=drafter, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(config, device),
+        mpu=DrafterParallelism(data_group, self_group, topology.drafter_ranks),
     )
     gamma = config.train.gamma or default_gamma(dcfg.block_size)
     settings = StepSettings(
-        max_anchors=config.train.max_anchors,
-        slot_weights=slot_weights(dcfg.block_size, gamma),
-        attention_backend=resolve_backend(config.model.attention_backend, device),
-        kl_weight=config.train.kl_weight,
+        max_anchors=config.train.max_anchors, slot_weights=slot_weights(dcfg.block_size, gamma),
+        attention_backend=resolve_backend(config.model.attention_backend, device), kl_weight=config.train.kl_weight,
     )
-    step = DrafterStep(engine.module, target.embed_tokens, target.lm_head, settings, forward=engine)
-    logger.info(
-        "target %s: %d layers, features from %s | drafter %d layers, %.1fM trainable params | B=%d A=%d gamma=%g | "
-        "%d sequences, %d micro-batches/epoch, %d steps, attention %s, %s",
-        config.model.target, dcfg.num_target_layers, dcfg.dflash_config["target_layer_ids"], dcfg.num_hidden_layers,
-        sum(p.numel() for p in drafter.parameters()) / 1e6, dcfg.block_size, config.train.max_anchors, gamma,
-        len(dataset), len(batcher), total_steps, settings.attention_backend, dtype,
-    )
-
-    metrics = MetricsLogger(
-        out_dir, config.train.report_to, config.train.wandb_mode, _flat_config(config), enabled=ranks.is_main
-    )
+    embed, lm_head = frozen_embedding_and_head(config, dcfg, target, device)
+    step = DrafterStep(engine.module, embed, lm_head, settings, forward=engine)
+    if is_main:
+        logger.info(
+            "drafter %d layers, %.1fM trainable params | features from target layers %s | B=%d A=%d gamma=%g | "
+            "%d sequences, %d steps/epoch, %d steps, attention %s",
+            dcfg.num_hidden_layers, sum(p.numel() for p in drafter.parameters()) / 1e6, dcfg.dflash_config[
+                "target_layer_ids"], dcfg.block_size, config.train.max_anchors, gamma, len(dataset),
+            steps_per_epoch, total_steps, settings.attention_backend,
+        )
+    metrics = MetricsLogger(out_dir, config.train.report_to, config.train.wandb_mode, _flat_config(config),
+                            enabled=is_main)
     window = WindowMetrics(dcfg.block_size)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     started = time.perf_counter()
     last: dict = {}
-    done = False
     for epoch in range(config.train.epochs):
-        batcher.set_epoch(epoch)
-        for batch_index, indices in enumerate(rank_batches(batcher, ranks, batches_per_rank)):
-            batch = {k: v.to(device) for k, v in collate(dataset, indices, pad_id).items()}
-            target_out = target.features(batch["input_ids"], with_final_hidden=config.train.kl_weight > 0)
-            blocks = step.sample_blocks(
-                batch["input_ids"], batch["loss_mask"], anchor_generator(config.train.seed, epoch, batch_index * ranks.world_size + ranks.rank)
-            )
-            noise = feature_noise_std(engine.global_steps, total_steps, config.train.feature_noise_std)
-            out = step.loss(blocks, target_out, noise_std=noise)
+        sampler.set_epoch(epoch)
+        schedule = sampler.rank_batches(drafter_rank)
+        for batch_step, indices, batch in source.batches(schedule):
+            if batch is None:  # this rank got no samples at this step: a zero step keeps lockstep
+                out = step.empty_loss()
+            else:
+                blocks = step.sample_blocks(batch.input_ids, batch.loss_mask,
+                                            anchor_generator(config.train.seed, epoch, batch_step, drafter_rank))
+                noise = feature_noise_std(engine.global_steps, total_steps, config.train.feature_noise_std)
+                out = step.loss(blocks, batch.target, noise_std=noise)
             engine.backward(out.loss)
             engine.step()
-            window.add(out, tokens=int(batch["lengths"].sum()))
-            at_boundary = (batch_index + 1) % config.train.grad_accum == 0
-            if at_boundary and (engine.global_steps % config.train.log_every == 0 or engine.global_steps >= total_steps):
-                last = window.summary()
-                last.update(
-                    step=engine.global_steps, epoch=epoch, epochs=config.train.epochs,
-                    epoch_fraction=(batch_index + 1) / batches_per_rank, lr=scheduler.get_last_lr()[0],
-                    noise_std=noise, elapsed_s=time.perf_counter() - started,
-                )
+            window.add(out, tokens=int(dataset.lengths[indices].sum()) if indices else 0)
+            boundary = (batch_step + 1) % config.train.grad_accum == 0
+            if boundary and (engine.global_steps % config.train.log_every == 0 or engine.global_steps >= total_steps):
+                last = window.summary(data_group)
+                last.update(step=engine.global_steps, epoch=epoch, epochs=config.train.epochs,
+                            epoch_fraction=(batch_step + 1) / sampler.steps_per_epoch(),
+                            lr=scheduler.get_last_lr()[0], elapsed_s=time.perf_counter() - started,
+                            queue_depths=source.queue_depths(), world_size=ranks.world_size)
                 metrics.log(last)
-                logger.info(progress_line(last, total_steps))
+                if is_main:
+                    logger.info(progress_line(last, total_steps))
                 window.reset()
             if engine.global_steps >= total_steps:
-                done = True
                 break
-        if done:
+        if engine.global_steps >= total_steps:
             break
+    source.close()
     seconds = time.perf_counter() - started
     drafter_dir = out_dir / "drafter"
-    if ranks.is_main:
+    if is_main:
         export_drafter(engine.module, drafter_dir)
         logger.info("trained %d steps in %.1f s; drafter exported to %s", engine.global_steps, seconds, drafter_dir)
     metrics.close()
-    return TrainResult(engine.global_steps, seconds, drafter_dir, initial_dir, last)
+    role = "colocated" if topology.colocated else "drafter"
+    return TrainResult(role, engine.global_steps, seconds, drafter_dir, initial_dir, last)
+
+
+def frozen_embedding_and_head(config: RunConfig, dcfg, target: FrozenTarget | None, device: torch.device):
+    """The target's input embedding and lm_head, shared (colocated) or loaded alone (split:
+    a drafter rank needs these two matrices, not the whole target)."""
+    if target is not None:
+        return target.embed_tokens, target.lm_head
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return FrozenTarget.load_embedding_and_head(config.model.target, dtype, device)
 
 
 def _flat_config(config: RunConfig) -> dict:

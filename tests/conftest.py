@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -9,6 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 from dflash.model import DFlashDrafter, drafter_config
 from dflash.target import FrozenTarget, default_target_layer_ids
 
+REPO = Path(__file__).resolve().parent.parent
 VOCAB = 97
 MASK_ID = VOCAB - 1  # an id the random target rarely emits; the real rule is tested elsewhere
 
@@ -42,3 +49,47 @@ def tiny_drafter(target: FrozenTarget, block_size: int = 4, num_layers: int = 2,
 @pytest.fixture(params=["qwen3", "llama"])
 def arch(request) -> str:
     return request.param
+
+
+WORDS = "the cat sat on a mat and then it ran to the dog who was not happy at all".split()
+
+
+def write_chat_jsonl(path: Path, samples: int, seed: int) -> Path:
+    rng = random.Random(seed)
+    with path.open("w") as f:
+        for _ in range(samples):
+            f.write(json.dumps({"prompt": " ".join(rng.choices(WORDS, k=6)),
+                                "response": " ".join(rng.choices(WORDS, k=rng.randint(12, 40)))}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_setup(tmp_path_factory) -> dict[str, Path]:
+    """A tiny random Qwen3 target saved as an HF folder with a chat tokenizer, and chat data."""
+    from tiny_tokenizer import make_tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("tiny")
+    tokenizer = make_tiny_tokenizer()
+    model = tiny_causal_lm("qwen3", vocab_size=len(tokenizer) + 3)  # spare rows: one is the mask
+    model.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    return {"root": root, "target": root / "target",
+            "train": write_chat_jsonl(root / "train.jsonl", 48, 0),
+            "heldout": write_chat_jsonl(root / "heldout.jsonl", 4, 1)}
+
+
+def run_trainer(args: list[str], nproc: int = 0, timeout: int = 600, env: dict | None = None,
+                ) -> subprocess.CompletedProcess:
+    """train_drafter.py as a user runs it: plain python, or torchrun with `nproc` processes."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                "--master_port", str(free_port())] if nproc else [sys.executable]
+    return subprocess.run([*launcher, str(REPO / "train_drafter.py"), *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -14,7 +14,6 @@ import torch
 from dflash import data
 from dflash.data import (
     DataError,
-    LengthBucketBatcher,
     TokenDataset,
     collate,
     load_chat_jsonl,
@@ -410,72 +409,6 @@ def test_dataset_rejects_missing_or_incompatible_shard(tokenizer, tmp_path):
     manifest_path.write_text(json.dumps({**manifest, "num_tokens": manifest["num_tokens"] + 1}))
     with pytest.raises(DataError, match="ids.bin"):
         TokenDataset(shard)
-
-
-# ---------------------------------------------------------------------------
-# Batching
-
-
-BOUNDARIES = [0, 256, 512, 1024]
-MAX_TOKENS = 4096
-
-
-@pytest.fixture(scope="module")
-def lengths() -> np.ndarray:
-    return np.random.default_rng(0).integers(1, 2000, size=500)
-
-
-def bucket_of(length: int) -> int:
-    return min(max(np.searchsorted(BOUNDARIES, length, side="right") - 1, 0), len(BOUNDARIES) - 1)
-
-
-def test_batcher_covers_each_sample_once_within_budget_and_bucket(lengths):
-    batcher = LengthBucketBatcher(lengths, BOUNDARIES, MAX_TOKENS, seed=1)
-    for epoch in range(3):
-        batcher.set_epoch(epoch)
-        batches = list(batcher)
-
-        assert len(batches) == len(batcher)
-        assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
-        for batch in batches:
-            assert batch and all(isinstance(i, int) for i in batch)
-            assert len(batch) * lengths[batch].max() <= MAX_TOKENS
-            assert len({bucket_of(lengths[i]) for i in batch}) == 1
-
-
-def test_batcher_order_depends_on_seed_and_epoch_only(lengths):
-    def batches(seed: int, epoch: int) -> list[list[int]]:
-        batcher = LengthBucketBatcher(lengths, BOUNDARIES, MAX_TOKENS, seed=seed)
-        batcher.set_epoch(epoch)
-        return list(batcher)
-
-    assert batches(1, 0) == batches(1, 0)
-    assert batches(1, 3) == batches(1, 3)
-    assert batches(1, 0) != batches(1, 1)
-    assert batches(1, 0) != batches(2, 0)
-
-
-def test_batcher_without_shuffle_keeps_bucket_and_index_order():
-    lengths = [300, 10, 5000, 20, 600, 250]
-    batches = list(LengthBucketBatcher(lengths, [0, 256, 512], max_tokens=20000, seed=0, shuffle=False))
-
-    # Bucket 0: samples 1, 3, 5; bucket 1: 0; last bucket also takes 5000.
-    assert batches == [[1, 3, 5], [0], [2, 4]]
-
-
-def test_batcher_drop_last_drops_underfilled_tail():
-    lengths = [10] * 7
-    kept = list(LengthBucketBatcher(lengths, [0], max_tokens=30, seed=0, shuffle=False))
-    dropped = list(LengthBucketBatcher(lengths, [0], max_tokens=30, seed=0, shuffle=False, drop_last=True))
-
-    assert [len(b) for b in kept] == [3, 3, 1]
-    assert [len(b) for b in dropped] == [3, 3]
-
-
-def test_batcher_rejects_sample_over_budget():
-    with pytest.raises(DataError, match=r"--max-tokens.*") as excinfo:
-        LengthBucketBatcher([10, 5000, 20], BOUNDARIES, max_tokens=4096, seed=0)
-    assert "5000" in str(excinfo.value)
 
 
 # ---------------------------------------------------------------------------

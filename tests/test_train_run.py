@@ -4,44 +4,9 @@ a tiny target saved as an HF folder, export, and the closing speculative-decodin
 from __future__ import annotations
 
 import json
-import random
-import subprocess
-import sys
-from pathlib import Path
 
-import pytest
-
-from conftest import tiny_causal_lm
+from conftest import run_trainer
 from tiny_tokenizer import make_tiny_tokenizer
-
-REPO = Path(__file__).resolve().parent.parent
-WORDS = "the cat sat on a mat and then it ran to the dog who was not happy at all".split()
-
-
-def write_chat_jsonl(path: Path, samples: int, seed: int) -> Path:
-    rng = random.Random(seed)
-    with path.open("w") as f:
-        for _ in range(samples):
-            f.write(json.dumps({"prompt": " ".join(rng.choices(WORDS, k=6)),
-                                "response": " ".join(rng.choices(WORDS, k=24))}) + "\n")
-    return path
-
-
-@pytest.fixture(scope="module")
-def tiny_setup(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("tiny")
-    tokenizer = make_tiny_tokenizer()
-    model = tiny_causal_lm("qwen3", vocab_size=len(tokenizer) + 3)  # spare rows: one is the mask
-    model.save_pretrained(root / "target")
-    tokenizer.save_pretrained(root / "target")
-    return {"root": root, "target": root / "target",
-            "train": write_chat_jsonl(root / "train.jsonl", 48, 0),
-            "heldout": write_chat_jsonl(root / "heldout.jsonl", 4, 1)}
-
-
-def run_trainer(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "train_drafter.py"), *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
 
 
 def test_train_export_and_evaluate(tiny_setup):

@@ -1,0 +1,100 @@
+"""Where a drafter rank gets each micro-batch's target features from.
+
+Colocated: this rank runs the frozen target itself. Split: a target rank runs it and the
+features arrive over point-to-point transfers, requested ahead of time (up to the credit) so
+transfer and target compute overlap the drafter's step. Both hand out batches in the drafter's
+own step order, so the data a drafter sees does not depend on which rank computed it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+
+import torch
+
+from dflash.data import TokenDataset, collate
+from dflash.target import FrozenTarget, TargetOutputs
+from dflash.transport import DrafterClient
+
+
+class FeatureBatch:
+    """One micro-batch on the drafter side: tokens, loss mask and the target's outputs."""
+
+    def __init__(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, target: TargetOutputs):
+        self.input_ids = input_ids
+        self.loss_mask = loss_mask
+        self.target = target
+
+
+def compute_features(target: FrozenTarget, dataset: TokenDataset, indices: list[int], pad_id: int,
+                     with_final_hidden: bool):
+    """Collate `indices` and run the frozen target: (input_ids, loss_mask, features, final_hidden)."""
+    batch = collate(dataset, indices, pad_id)
+    input_ids = batch["input_ids"].to(target.device)
+    out = target.features(input_ids, with_final_hidden=with_final_hidden)
+    return input_ids, batch["loss_mask"].to(target.device), out.features, out.final_hidden
+
+
+class LocalFeatures:
+    """Colocated: the target lives on this rank."""
+
+    def __init__(self, target: FrozenTarget, dataset: TokenDataset, pad_id: int, with_final_hidden: bool):
+        self.target, self.dataset, self.pad_id = target, dataset, pad_id
+        self.with_final_hidden = with_final_hidden
+
+    def batches(self, schedule: Iterator[tuple[int, list[int]]]) -> Iterator[tuple[int, list[int], FeatureBatch | None]]:
+        """(step, indices, batch) in schedule order; batch is None where this rank got no samples."""
+        for step, indices in schedule:
+            if not indices:
+                yield step, indices, None
+                continue
+            ids, mask, features, final = compute_features(
+                self.target, self.dataset, indices, self.pad_id, self.with_final_hidden)
+            yield step, indices, FeatureBatch(ids, mask, TargetOutputs(features=features, final_hidden=final))
+
+    def queue_depths(self) -> dict[int, int]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class RemoteFeatures:
+    """Split: requests go out ahead of use, as far as the credit allows."""
+
+    def __init__(self, client: DrafterClient, device: torch.device):
+        self.client = client
+        self.device = device
+
+    def batches(self, schedule: Iterator[tuple[int, list[int]]]) -> Iterator[tuple[int, list[int], FeatureBatch | None]]:
+        """(step, indices, batch) in schedule order; batch is None where this rank got no samples."""
+        pending: deque[tuple[int, list[int]]] = deque()  # requested or empty steps, in the drafter's order
+        schedule = iter(schedule)
+        exhausted = False
+        while True:
+            while not exhausted and self.client.free_credit() > 0:
+                item = next(schedule, None)
+                if item is None:
+                    exhausted = True
+                    break
+                step, indices = item
+                if indices:
+                    self.client.submit(step, indices)
+                pending.append((step, indices))
+            if not pending:
+                return
+            step, indices = pending.popleft()
+            if not indices:
+                yield step, indices, None
+                continue
+            got = self.client.receive(step)
+            target = TargetOutputs(features=got.features.to(self.device), final_hidden=(
+                got.final_hidden.to(self.device) if got.final_hidden is not None else None))
+            yield step, indices, FeatureBatch(got.input_ids.to(self.device), got.loss_mask.to(self.device), target)
+
+    def queue_depths(self) -> dict[int, int]:
+        return self.client.queue_depths()
+
+    def close(self) -> None:
+        self.client.close()

@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# One node, N GPUs, DeepSpeed launcher:  NUM_GPUS=8 bash launch/deepspeed.sh --target-ranks auto --target ... --train-data ...
+# Several nodes: put the hosts in a hostfile and add  --hostfile hosts  (see README, "Multi-node").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+exec .venv/bin/deepspeed ${HOSTFILE:+--hostfile "$HOSTFILE"} --num_gpus "${NUM_GPUS:-8}" train_drafter.py "$@"
