@@ -69,6 +69,7 @@ class TrainArgs:
     wandb_mode: str = field(default="offline", metadata={"help": "offline (no account needed) | online | disabled"})
     eval_prompts: int = field(default=16, metadata={"help": "held-out prompts decoded at the end (0: skip)"})
     eval_max_new_tokens: int = 96
+    eval_dtype: str = field(default="float32", metadata={"help": "float32 (exact lossless check) | bfloat16"})
 
 
 RECIPE = {"num_draft_layers": 5, "epochs": 6, "max_anchors": 512, "max_length": 3072, "max_tokens": 8192}
@@ -142,4 +143,5 @@ def validate(config: RunConfig) -> None:
     _require(t.grad_accum >= 1, f"--grad-accum {t.grad_accum}: need at least 1")
     _require(t.report_to in ("wandb", "none"), f"--report-to {t.report_to}: use wandb or none")
     _require(t.kl_weight >= 0 and t.feature_noise_std >= 0, "--kl-weight and --feature-noise-std must be >= 0")
+    _require(t.eval_dtype in ("float32", "bfloat16"), f"--eval-dtype {t.eval_dtype}: use float32 or bfloat16")
     _require(t.device in ("auto", "cpu", "cuda"), f"--device {t.device}: use auto, cpu or cuda")

@@ -44,6 +44,7 @@ class EvalArgs:
     num_prompts: int = 16
     max_new_tokens: int = 96
     device: str = "auto"
+    dtype: str = field(default="float32", metadata={"help": "float32 (exact lossless check) | bfloat16 (serving speed)"})
     output: str | None = field(default=None, metadata={"help": "write the report as JSON here"})
 
 
@@ -56,7 +57,8 @@ class EvalReport:
     greedy_seconds: float
     speculative_seconds: float
     tokens: int
-    lossless: bool
+    diverged: int  # prompts whose speculative output differs from greedy
+    dtype: str = "float32"
     teacher_forced_acc: list[float] = field(default_factory=list)
     teacher_forced_streak: float = 0.0  # mean leading correct slots per block (no bonus)
     teacher_forced_eal: float = 0.0  # from per-slot accuracy (no bonus)
@@ -68,8 +70,13 @@ class EvalReport:
             f"1+EAL {1 + self.teacher_forced_eal:.2f}) | speedup {self.speedup:.2f}x "
             f"({self.greedy_seconds:.2f}s greedy, {self.speculative_seconds:.2f}s speculative) | "
             f"acceptance by position [{acc}{', ...' if len(self.acceptance) > 8 else ''}] | "
-            f"{self.tokens} tokens, {self.prompts} prompts | lossless {self.lossless}"
+            f"{self.tokens} tokens, {self.prompts} prompts, {self.dtype} | "
+            f"identical to greedy on {self.prompts - self.diverged}/{self.prompts}"
         )
+
+    @property
+    def lossless(self) -> bool:
+        return self.diverged == 0
 
 
 def eos_token_ids(tokenizer, target: FrozenTarget) -> set[int]:
@@ -117,13 +124,13 @@ def evaluate(target: FrozenTarget, drafter: DFlashDrafter, prompts: list[list[in
     greedy_s = spec_s = 0.0
     accepted: list[int] = []
     tokens = 0
-    lossless = True
+    diverged = 0
     sequences = []
     for prompt in prompts:
         plain = greedy_decode(target, prompt, max_new_tokens, eos_ids)
         spec = speculative_decode(target, drafter, prompt, max_new_tokens, eos_ids)
         if spec.tokens != plain.tokens:
-            lossless = False
+            diverged += 1
             logger.error("speculative output differs from greedy on a prompt of %d tokens", len(prompt))
         greedy_s += plain.seconds
         spec_s += spec.seconds
@@ -137,7 +144,8 @@ def evaluate(target: FrozenTarget, drafter: DFlashDrafter, prompts: list[list[in
     return EvalReport(
         prompts=len(prompts), tau=float(accepted_t.mean() + 1), acceptance=acceptance,
         speedup=greedy_s / max(spec_s, 1e-9), greedy_seconds=greedy_s, speculative_seconds=spec_s,
-        tokens=tokens, lossless=lossless, teacher_forced_acc=tf_acc, teacher_forced_streak=tf_streak,
+        tokens=tokens, diverged=diverged, dtype=str(target.embed_tokens.weight.dtype).removeprefix("torch."),
+        teacher_forced_acc=tf_acc, teacher_forced_streak=tf_streak,
         teacher_forced_eal=tf_eal,
     )
 
@@ -149,10 +157,9 @@ def load_prompts(path: str, tokenizer, limit: int) -> list[list[int]]:
 
 def evaluate_drafters(
     target_path: str, tokenizer_path: str, drafters: dict[str, str | Path], prompts_path: str,
-    num_prompts: int, max_new_tokens: int, device: torch.device,
+    num_prompts: int, max_new_tokens: int, device: torch.device, dtype: torch.dtype = torch.float32,
 ) -> dict[str, EvalReport]:
     """Load the target once and judge each named drafter folder on the same prompts."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tokenizer = load_tokenizer(tokenizer_path)
     loaded = {name: load_drafter(path) for name, path in drafters.items()}
     layer_ids = {tuple(d.config.dflash_config["target_layer_ids"]) for d in loaded.values()}
@@ -168,8 +175,29 @@ def evaluate_drafters(
     return reports
 
 
+def eval_dtype(name: str) -> torch.dtype:
+    if name not in ("float32", "bfloat16"):
+        raise ValueError(f"--dtype {name}: use float32 or bfloat16")
+    return getattr(torch, name)
+
+
+def check_lossless(reports: dict[str, EvalReport]) -> bool:
+    """In float32 any difference from greedy decoding is a bug. In bfloat16 a B-token verify
+    and 1-token steps round differently, so near-tied logits can flip: reported, not fatal."""
+    for name, report in reports.items():
+        if report.lossless:
+            continue
+        if report.dtype == "float32":
+            logger.error("%s: speculative output differs from greedy in float32: a bug, please report it", name)
+            return False
+        logger.warning("%s: %d/%d prompts diverged from greedy in %s (rounding near-ties); rerun with "
+                       "--dtype float32 for the exact check", name, report.diverged, report.prompts, report.dtype)
+    return True
+
+
 def write_reports(reports: dict[str, EvalReport], path: str | Path) -> None:
-    Path(path).write_text(json.dumps({k: asdict(v) for k, v in reports.items()}, indent=2) + "\n")
+    Path(path).write_text(json.dumps({k: {**asdict(v), "lossless": v.lossless} for k, v in reports.items()},
+                                     indent=2) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,14 +206,11 @@ def main(argv: list[str] | None = None) -> int:
     device = pick_device(args.device, 0)
     reports = evaluate_drafters(
         args.target, args.tokenizer or args.target, {"drafter": args.drafter}, args.prompts,
-        args.num_prompts, args.max_new_tokens, device,
+        args.num_prompts, args.max_new_tokens, device, eval_dtype(args.dtype),
     )
     if args.output:
         write_reports(reports, args.output)
-    if not all(r.lossless for r in reports.values()):
-        logger.error("speculative decoding changed the output: this is a bug, please report it")
-        return 1
-    return 0
+    return 0 if check_lossless(reports) else 1
 
 
 if __name__ == "__main__":

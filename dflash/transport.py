@@ -28,15 +28,16 @@ Routing. In-order consumption makes a plain most-free-credit rule stall: a slow 
 as many requests as a fast one sets the pace. So a step goes to the target expected to finish
 it first, (its tokens + tokens in flight there + backlog) x that target's measured seconds per
 token; with equal speeds that is the target with the most free credit. Ties go to a target on
-this node, then to the lowest rank. When that target has no free credit the step waits here
-and is routed again, with fresher estimates, at every call of the client (receive() keeps
-calling while it waits).
+this node, then to the lowest rank; a target that has not reported its speed yet gets one
+request at a time. When the chosen target has no free credit the step waits here and is routed
+again, with fresher estimates, at every call of the client (receive() keeps calling while it
+waits).
 
 Timeouts. Every wait polls for completion against TransportSpec.timeout_s, the same way on gloo
 and NCCL, and raises TransportError naming both ranks, the step and what to check. A target
 also raises when no live drafter sent anything for timeout_s, so a drafter that pauses longer
-(evaluation, a slow checkpoint) must close() first. On NCCL keep the process-group timeout above
-timeout_s: a posted receive older than that trips the NCCL watchdog.
+(evaluation, a slow checkpoint) must close() first. Keep the process-group timeout above
+timeout_s: a posted receive older than that trips NCCL's watchdog, or gloo's own timeout.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ class TransportSpec:
     feature_dim: int
     hidden_dim: int
     with_final_hidden: bool
-    feature_dtype: torch.dtype
+    feature_dtype: torch.dtype  # of features and final_hidden on the wire
     device: torch.device  # cuda:local_rank for NCCL, cpu for gloo
     credits: int = 4
     timeout_s: float = 300.0
@@ -339,7 +340,9 @@ class _Request:
 
 
 class DrafterClient:
-    """Sends micro-batch requests to the target ranks and hands back their responses in step order."""
+    """Sends micro-batch requests to the target ranks and hands back their responses in step
+    order. Per training step: submit() the sampler's next micro-batches while free_credit() > 0,
+    then receive() the step to train on."""
 
     def __init__(self, rank: int, target_ranks: list[int], spec: TransportSpec, lengths: np.ndarray,
                  node_of: dict[int, int] | None = None, groups: PairGroups | None = None) -> None:
@@ -429,16 +432,21 @@ class DrafterClient:
             link.wait([sent], deadline, self.spec.timeout_s, "set-up", "the hello")
             _check_hello(link, self.spec.hello(), theirs)
 
-    def _pick_target(self, tokens: int) -> int:
-        """The target expected to finish this request first (see the module notes)."""
+    def _pick_target(self, tokens: int) -> int | None:
+        """The target expected to finish this request first (see the module notes), or None
+        while that one has no free credit."""
+        # one request at a time to a target that has not reported its speed yet: loading it
+        # blindly would give a slow target as much as a fast one
+        candidates = [t for t in self.targets if t in self._sec_per_token or self._in_flight[t] == 0]
         known = list(self._sec_per_token.values())
         default = sum(known) / len(known) if known else 1.0  # unmeasured: as fast as the others
         pending = {t: self._backlog[t] + tokens for t in self.targets}
         for req in self._held.values():
             if req.sent and not req.arrived:
                 pending[req.target] += req.tokens
-        return min(self.targets, key=lambda t: (pending[t] * self._sec_per_token.get(t, default),
-                                                not self._same_node[t], t))
+        best = min(candidates, default=None, key=lambda t: (
+            pending[t] * self._sec_per_token.get(t, default), not self._same_node[t], t))
+        return best if best is not None and self._in_flight[best] < self.spec.credits else None
 
     def _progress(self) -> None:
         """Return the credits of fully arrived responses, then send waiting requests, oldest
@@ -446,10 +454,7 @@ class DrafterClient:
         for req in self._held.values():
             if req.sent and not req.arrived and req.response.done():
                 self._arrived(req)
-        while self._waiting:
-            target = self._pick_target(self._waiting[0].tokens)
-            if self._in_flight[target] >= self.spec.credits:
-                return
+        while self._waiting and (target := self._pick_target(self._waiting[0].tokens)) is not None:
             self._send(self._waiting.popleft(), target)
 
     def _send(self, req: _Request, target: int) -> None:
@@ -608,9 +613,9 @@ class TargetServer:
                 elif now - last_seen > self.spec.timeout_s:
                     raise TransportError(
                         f"rank {self.rank} (target): no request or STOP from drafter ranks "
-                        f"{sorted(state.live)} for {self.spec.timeout_s:g} s (served so far: "
-                        f"{stats.requests}). Check those ranks' logs: a drafter that died, hung, or "
-                        "ended without close() leaves its targets waiting.")
+                        f"{sorted(state.live)} for {self.spec.timeout_s:g} s (last step seen from each: "
+                        f"{state.last_step}). Check those ranks' logs: a drafter that died, hung, "
+                        "or paused without close() leaves its targets waiting.")
                 else:
                     time.sleep(POLL_S)
                     stats.idle_s += time.monotonic() - now
