@@ -89,7 +89,7 @@ class RunConfig:
 
 def parse_config(argv: list[str] | None = None) -> RunConfig:
     """Flags, or a single .json/.yaml file holding the same names."""
-    argv = sys.argv[1:] if argv is None else argv
+    argv = _without_launcher_flags(sys.argv[1:] if argv is None else argv)
     parser = HfArgumentParser((ModelArgs, DataArgs, TrainArgs))
     if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
         loader = parser.parse_json_file if argv[0].endswith(".json") else parser.parse_yaml_file
@@ -100,6 +100,19 @@ def parse_config(argv: list[str] | None = None) -> RunConfig:
     fill_defaults(config)
     validate(config)
     return config
+
+
+def _without_launcher_flags(argv: list[str]) -> list[str]:
+    """The deepspeed launcher appends --local_rank=N; LOCAL_RANK in the environment says the same."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg.split("=")[0] in ("--local_rank", "--local-rank"):
+            skip = "=" not in arg
+        else:
+            kept.append(arg)
+    return kept
 
 
 def fill_defaults(config: RunConfig) -> None:

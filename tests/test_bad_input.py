@@ -61,3 +61,10 @@ def test_mask_token_resolution():
     full = tiny_causal_lm(vocab_size=len(tokenizer)).config
     with pytest.raises(TargetError, match="pass\n?.*--mask-token-id"):
         resolve_mask_token_id(tokenizer, full, None)
+
+
+def test_deepspeed_launcher_local_rank_flag_is_accepted():
+    from dflash.config import _without_launcher_flags
+
+    assert _without_launcher_flags(["--local_rank=1", "--seed", "2"]) == ["--seed", "2"]
+    assert _without_launcher_flags(["--local-rank", "0", "--seed", "2"]) == ["--seed", "2"]
