@@ -55,3 +55,30 @@ def test_placements_train(tiny_setup, tmp_path, nproc, placement, expect):
     run = losses(tmp_path)
     assert all(loss > 0 for loss in run)
     assert (tmp_path / "drafter" / "model.safetensors").is_file()
+
+
+def test_zero2_over_two_drafter_ranks_matches_one_rank_on_the_doubled_batch(tmp_path):
+    """DeepSpeed's data-parallel group is the drafter group: ZeRO-2 over 2 ranks must apply the
+    same updates as one rank accumulating both micro-batches."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    from conftest import REPO, free_port
+
+    results = {}
+    for nproc in (1, 2):
+        out = tmp_path / f"weights{nproc}.json"
+        env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}", "DS_ACCELERATOR": "cpu"}
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+             str(free_port()), str(REPO / "tests" / "zero_worker.py"), str(out)],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results[nproc] = json.loads(out.read_text())
+    assert results[1]["global_steps"] == results[2]["global_steps"] == 3
+    for name, value in results[1]["state"].items():
+        torch.testing.assert_close(torch.tensor(results[2]["state"][name]), torch.tensor(value),
+                                   rtol=1e-4, atol=1e-6, msg=name)
