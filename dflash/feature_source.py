@@ -56,6 +56,10 @@ class LocalFeatures:
     def queue_depths(self) -> dict[int, int]:
         return {}
 
+    @property
+    def served_by(self) -> dict[int, int]:
+        return {}
+
     def close(self) -> None:
         pass
 
@@ -66,6 +70,7 @@ class RemoteFeatures:
     def __init__(self, client: DrafterClient, device: torch.device):
         self.client = client
         self.device = device
+        self.served_by: dict[int, int] = {}  # target rank -> micro-batches it computed for us
 
     def batches(self, schedule: Iterator[tuple[int, list[int]]]) -> Iterator[tuple[int, list[int], FeatureBatch | None]]:
         """(step, indices, batch) in schedule order; batch is None where this rank got no samples."""
@@ -89,6 +94,7 @@ class RemoteFeatures:
                 yield step, indices, None
                 continue
             got = self.client.receive(step)
+            self.served_by[got.target_rank] = self.served_by.get(got.target_rank, 0) + 1
             target = TargetOutputs(features=got.features.to(self.device), final_hidden=(
                 got.final_hidden.to(self.device) if got.final_hidden is not None else None))
             yield step, indices, FeatureBatch(got.input_ids.to(self.device), got.loss_mask.to(self.device), target)

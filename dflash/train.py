@@ -110,9 +110,13 @@ def build_drafter_config(config: RunConfig, tokenizer):
 
 
 def prepare_data(config: RunConfig, tokenizer, ranks: RankInfo) -> TokenDataset:
-    """Local rank 0 of every node tokenizes (or reuses the cached shard); the others wait."""
+    """Rank 0 tokenizes (or reuses the cached shard); the others wait, then open it."""
     shard = Path(config.train.output_dir) / "data" / "train"
-    if ranks.local_rank == 0:
+    if ranks.rank == 0:
+        prepare_dataset(config.data.train_data, tokenizer, shard, config.data.max_length, config.data.overflow)
+    dist.barrier()
+    # Nodes that do not share rank 0's filesystem build (or reuse) their own copy.
+    if ranks.local_rank == 0 and not (shard / "manifest.json").is_file():
         prepare_dataset(config.data.train_data, tokenizer, shard, config.data.max_length, config.data.overflow)
     dist.barrier()
     return TokenDataset(shard)
@@ -256,6 +260,9 @@ def train_drafter_rank(config, ranks, topology, dcfg, dataset, source, data_grou
         if engine.global_steps >= total_steps:
             break
     source.close()
+    routing = routing_report(source.served_by, topology, data_group)
+    if is_main and routing:
+        logger.info("%s", routing)
     seconds = time.perf_counter() - started
     drafter_dir = out_dir / "drafter"
     if is_main:
@@ -264,6 +271,21 @@ def train_drafter_rank(config, ranks, topology, dcfg, dataset, source, data_grou
     metrics.close()
     role = "colocated" if topology.colocated else "drafter"
     return TrainResult(role, engine.global_steps, seconds, drafter_dir, initial_dir, last)
+
+
+def routing_report(served_by: dict[int, int], topology: Topology, data_group) -> str:
+    """Which target rank computed how many micro-batches for which drafter rank, and which of
+    those pairs crossed nodes (collective over the drafter group)."""
+    if topology.colocated:
+        return ""
+    gathered: list[dict[int, int] | None] = [None] * len(topology.drafter_ranks)
+    dist.all_gather_object(gathered, served_by, group=data_group)
+    lines = ["routing (drafter rank <- target rank: micro-batches):"]
+    for drafter, counts in zip(topology.drafter_ranks, gathered):
+        for target, count in sorted(counts.items()):
+            crossed = topology.nodes[drafter] != topology.nodes[target]
+            lines.append(f"  {drafter} <- {target}: {count}{'  (crossed nodes)' if crossed else ''}")
+    return "\n".join(lines)
 
 
 def frozen_embedding_and_head(config: RunConfig, dcfg, target: FrozenTarget | None, device: torch.device):

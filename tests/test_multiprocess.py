@@ -4,6 +4,7 @@ the split placements, and the same losses from split 1+1 as from one colocated p
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,34 @@ def test_zero2_over_two_drafter_ranks_matches_one_rank_on_the_doubled_batch(tmp_
     for name, value in results[1]["state"].items():
         torch.testing.assert_close(torch.tensor(results[2]["state"][name]), torch.tensor(value),
                                    rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_two_nodes_on_one_machine(tiny_setup, tmp_path):
+    """Two `torchrun --nnodes 2` invocations over localhost: one target and one drafter rank per
+    node; the run reports which drafter/target pairs crossed nodes."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO, free_port
+
+    port = free_port()
+    args = tiny_args(tiny_setup, tmp_path, "--target-ranks", "2")
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
+         "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port),
+         str(REPO / "train_drafter.py"), *args],
+        cwd=REPO, env=os.environ.copy(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for node in (0, 1)]
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
+    log = outputs[0][1]
+    assert "split: target on ranks [1, 3], drafter on ranks [0, 2] (2:2, 2 node(s))" in log
+    assert "routing (drafter rank <- target rank: micro-batches):" in log
+    node_of = {0: 0, 1: 0, 2: 1, 3: 1}
+    pairs = re.findall(r"^  (\d) <- (\d): (\d+)(  \(crossed nodes\))?$", log, flags=re.M)
+    assert pairs, log[-2000:]
+    for drafter, target, count, crossed in pairs:
+        assert bool(crossed) == (node_of[int(drafter)] != node_of[int(target)])
+    assert sum(int(count) for _, _, count, _ in pairs) == 2 * STEPS  # every micro-batch of both drafters
+    assert len(losses(tmp_path)) == STEPS
