@@ -17,9 +17,10 @@ from pathlib import Path
 from dflash.config import ConfigError, parse_config
 from dflash.data import DataError
 from dflash.target import TargetError
+from dflash.topology import TopologyError
 
 logger = logging.getLogger("train_drafter")
-USER_ERRORS = (ConfigError, DataError, TargetError)
+USER_ERRORS = (ConfigError, DataError, TargetError, TopologyError)
 
 
 def final_evaluation(config, result, device) -> None:

@@ -152,6 +152,8 @@ def validate(config: RunConfig) -> None:
              f"--max-tokens {d.max_tokens}: a micro-batch must hold one full sequence (--max-length {d.max_length})")
     _require(d.bucket_boundaries == sorted(d.bucket_boundaries) and len(d.bucket_boundaries) >= 1,
              f"--bucket-boundaries {d.bucket_boundaries}: must be ascending")
+    _require(t.target_ranks in ("colocated", "auto") or t.target_ranks.isdigit(),
+             f"--target-ranks {t.target_ranks}: use colocated, auto, or a number of ranks")
     _require(t.credits >= 1, f"--credits {t.credits}: need at least 1")
     _require(t.grad_accum >= 1, f"--grad-accum {t.grad_accum}: need at least 1")
     _require(t.report_to in ("wandb", "none"), f"--report-to {t.report_to}: use wandb or none")

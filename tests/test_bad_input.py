@@ -68,3 +68,20 @@ def test_deepspeed_launcher_local_rank_flag_is_accepted():
 
     assert _without_launcher_flags(["--local_rank=1", "--seed", "2"]) == ["--seed", "2"]
     assert _without_launcher_flags(["--local-rank", "0", "--seed", "2"]) == ["--seed", "2"]
+
+
+def test_impossible_placements():
+    from dflash.topology import TopologyError, plan_topology
+
+    for count in (0, 4, 5):
+        with pytest.raises(TopologyError, match=f"--target-ranks {count} with 4 processes"):
+            plan_topology(count, 4)
+    with pytest.raises(TopologyError, match="multiple of the node count"):
+        plan_topology(3, 8, local_size=4)
+    split = plan_topology(2, 8, local_size=4)
+    assert split.target_ranks == [3, 7] and split.drafter_ranks == [0, 1, 2, 4, 5, 6]
+
+
+def test_target_ranks_flag_is_checked_before_launching(capsys, paths):
+    fails_with(capsys, ["--target", paths["target"], "--train-data", paths["data"], "--target-ranks", "half"],
+               "--target-ranks half")

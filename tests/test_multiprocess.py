@@ -45,7 +45,7 @@ def test_split_one_plus_one_matches_colocated(tiny_setup, tmp_path, single_proce
 
 @pytest.mark.parametrize("nproc, placement, expect", [
     (2, ["--target-ranks", "colocated"], "colocated: target and drafter on all 2 ranks"),
-    (3, ["--target-ranks", "2"], "split: target on ranks [1, 2], drafter on ranks [0]"),
+    (3, ["--target-ranks", "2", "--kl-weight", "0.5"], "split: target on ranks [1, 2], drafter on ranks [0]"),
     (3, ["--target-ranks", "1", "--deepspeed-config", "ds_configs/zero2.json"],
      "split: target on ranks [2], drafter on ranks [0, 1]"),
 ])
