@@ -87,12 +87,15 @@ _compiled_flex = None
 
 
 def _flex_attention():
-    """flex_attention is only fast when compiled; compile once per process."""
+    """flex_attention is only fast when compiled; compile once per process. Dynamic shapes:
+    every micro-batch has its own length and block count, and a static compile would recompile
+    each step (measured on an H200 with varying shapes: 40 graphs and 377 ms/step static vs
+    2 graphs and 40 ms/step dynamic)."""
     global _compiled_flex
     if _compiled_flex is None:
         from torch.nn.attention.flex_attention import flex_attention
 
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        _compiled_flex = torch.compile(flex_attention, dynamic=True)
     return _compiled_flex
 
 
