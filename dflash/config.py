@@ -65,6 +65,8 @@ class TrainArgs:
     feature_noise_std: float = field(default=0.0, metadata={"help": "initial std of feature noise, cosine-decayed to 0"})
     seed: int = 0
     log_every: int = 10
+    save_every: int = field(default=0, metadata={"help": "checkpoint every N optimizer steps (0: never)"})
+    resume: bool = field(default=False, metadata={"help": "continue from the newest complete checkpoint in --output-dir"})
     report_to: str = field(default="wandb", metadata={"help": "wandb | none (metrics.jsonl is always written)"})
     wandb_mode: str = field(default="offline", metadata={"help": "offline (no account needed) | online | disabled"})
     eval_prompts: int = field(default=16, metadata={"help": "held-out prompts decoded at the end (0: skip)"})
@@ -154,6 +156,7 @@ def validate(config: RunConfig) -> None:
              f"--bucket-boundaries {d.bucket_boundaries}: must be ascending")
     _require(t.target_ranks in ("colocated", "auto") or t.target_ranks.isdigit(),
              f"--target-ranks {t.target_ranks}: use colocated, auto, or a number of ranks")
+    _require(t.save_every >= 0, f"--save-every {t.save_every}: use 0 (off) or a positive step count")
     _require(t.credits >= 1, f"--credits {t.credits}: need at least 1")
     _require(t.grad_accum >= 1, f"--grad-accum {t.grad_accum}: need at least 1")
     _require(t.report_to in ("wandb", "none"), f"--report-to {t.report_to}: use wandb or none")

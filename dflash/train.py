@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from dflash.attention import resolve_backend
+from dflash.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from dflash.config import REPO_ROOT, ConfigError, RunConfig
 from dflash.data import TokenDataset, load_tokenizer, prepare_dataset
 from dflash.distributed import RankInfo
@@ -227,10 +229,12 @@ def train_drafter_rank(config, ranks, topology, dcfg, dataset, source, data_grou
         )
     metrics = MetricsLogger(out_dir, config.train.report_to, config.train.wandb_mode, _flat_config(config),
                             enabled=is_main)
+    start_epoch = resume(config, engine, sampler, drafter_rank) if config.train.resume else 0
+    crash_after = int(os.environ.get("DFLASH_CRASH_AFTER_STEP", 0))  # fault injection for resume tests
     window = WindowMetrics(dcfg.block_size)
     started = time.perf_counter()
     last: dict = {}
-    for epoch in range(config.train.epochs):
+    for epoch in range(start_epoch, config.train.epochs):
         sampler.set_epoch(epoch)
         schedule = sampler.rank_batches(drafter_rank)
         for batch_step, indices, batch in source.batches(schedule):
@@ -255,6 +259,12 @@ def train_drafter_rank(config, ranks, topology, dcfg, dataset, source, data_grou
                 if is_main:
                     logger.info(progress_line(last, total_steps))
                 window.reset()
+            if boundary and config.train.save_every > 0 and engine.global_steps % config.train.save_every == 0:
+                sampler_state = {**sampler.state_dict(), "epoch": epoch, "position": batch_step + 1}
+                save_checkpoint(engine, out_dir, engine.global_steps, {"sampler": sampler_state},
+                                drafter_rank, data_group)
+            if engine.global_steps == crash_after:
+                os._exit(17)
             if engine.global_steps >= total_steps:
                 break
         if engine.global_steps >= total_steps:
@@ -271,6 +281,18 @@ def train_drafter_rank(config, ranks, topology, dcfg, dataset, source, data_grou
     metrics.close()
     role = "colocated" if topology.colocated else "drafter"
     return TrainResult(role, engine.global_steps, seconds, drafter_dir, initial_dir, last)
+
+
+def resume(config: RunConfig, engine, sampler: RankAwareBucketSampler, drafter_rank: int) -> int:
+    """Load the newest complete checkpoint, if any; return the epoch to continue in."""
+    path = latest_checkpoint(config.train.output_dir)
+    if path is None:
+        logger.info("--resume: no complete checkpoint under %s, starting from scratch", config.train.output_dir)
+        return 0
+    state = load_checkpoint(engine, path, drafter_rank)
+    sampler.load_state_dict(state["sampler"])
+    logger.info("resumed from %s at step %d, %s", path, engine.global_steps, sampler.progress())
+    return int(state["sampler"]["epoch"])
 
 
 def routing_report(served_by: dict[int, int], topology: Topology, data_group) -> str:
