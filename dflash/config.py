@@ -65,6 +65,7 @@ class TrainArgs:
     feature_noise_std: float = field(default=0.0, metadata={"help": "initial std of feature noise, cosine-decayed to 0"})
     seed: int = 0
     log_every: int = 10
+    spike_factor: float = field(default=3.0, metadata={"help": "skip a micro-batch whose loss exceeds this x the running mean (0: only NaN/inf)"})
     save_every: int = field(default=0, metadata={"help": "checkpoint every N optimizer steps (0: never)"})
     resume: bool = field(default=False, metadata={"help": "continue from the newest complete checkpoint in --output-dir"})
     report_to: str = field(default="wandb", metadata={"help": "wandb | none (metrics.jsonl is always written)"})
@@ -156,6 +157,7 @@ def validate(config: RunConfig) -> None:
              f"--bucket-boundaries {d.bucket_boundaries}: must be ascending")
     _require(t.target_ranks in ("colocated", "auto") or t.target_ranks.isdigit(),
              f"--target-ranks {t.target_ranks}: use colocated, auto, or a number of ranks")
+    _require(t.spike_factor == 0 or t.spike_factor > 1, f"--spike-factor {t.spike_factor}: use 0 (NaN/inf only) or > 1")
     _require(t.save_every >= 0, f"--save-every {t.save_every}: use 0 (off) or a positive step count")
     _require(t.credits >= 1, f"--credits {t.credits}: need at least 1")
     _require(t.grad_accum >= 1, f"--grad-accum {t.grad_accum}: need at least 1")

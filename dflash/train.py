@@ -32,6 +32,7 @@ from dflash.metrics import MetricsLogger, WindowMetrics, progress_line
 from dflash.model import DFlashDrafter, drafter_config
 from dflash.objective import default_gamma, feature_noise_std, slot_weights
 from dflash.sampler import RankAwareBucketSampler
+from dflash.spike import SpikeGuard
 from dflash.target import (
     FrozenTarget,
     check_target_layer_ids,
@@ -231,6 +232,7 @@ def train_drafter_rank(config, ranks, topology, dcfg, dataset, source, data_grou
                             enabled=is_main)
     start_epoch = resume(config, engine, sampler, drafter_rank) if config.train.resume else 0
     crash_after = int(os.environ.get("DFLASH_CRASH_AFTER_STEP", 0))  # fault injection for resume tests
+    guard = SpikeGuard(config.train.spike_factor, group=data_group)
     window = WindowMetrics(dcfg.block_size)
     started = time.perf_counter()
     last: dict = {}
@@ -245,16 +247,23 @@ def train_drafter_rank(config, ranks, topology, dcfg, dataset, source, data_grou
                                             anchor_generator(config.train.seed, epoch, batch_step, drafter_rank))
                 noise = feature_noise_std(engine.global_steps, total_steps, config.train.feature_noise_std)
                 out = step.loss(blocks, batch.target, noise_std=noise)
+            if guard.should_skip(out.loss, track=batch is not None):
+                logger.warning("skipped the micro-batch of step %d, epoch %d: loss %.4g vs running mean %s "
+                               "(%d skipped so far)", batch_step, epoch + 1, float(out.loss.detach()),
+                               f"{guard.mean:.4g}" if guard.mean is not None else "n/a", guard.skipped)
+                continue
+            before = engine.global_steps
             engine.backward(out.loss)
             engine.step()
             window.add(out, tokens=int(dataset.lengths[indices].sum()) if indices else 0)
-            boundary = (batch_step + 1) % config.train.grad_accum == 0
+            boundary = engine.global_steps != before
             if boundary and (engine.global_steps % config.train.log_every == 0 or engine.global_steps >= total_steps):
                 last = window.summary(data_group)
                 last.update(step=engine.global_steps, epoch=epoch, epochs=config.train.epochs,
                             epoch_fraction=(batch_step + 1) / sampler.steps_per_epoch(),
                             lr=scheduler.get_last_lr()[0], elapsed_s=time.perf_counter() - started,
-                            queue_depths=source.queue_depths(), world_size=ranks.world_size)
+                            queue_depths=source.queue_depths(), world_size=ranks.world_size,
+                            skipped_micro_batches=guard.skipped)
                 metrics.log(last)
                 if is_main:
                     logger.info(progress_line(last, total_steps))
