@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -18,13 +19,13 @@ from dflash.target import FrozenTarget, TargetOutputs
 from dflash.transport import DrafterClient
 
 
-class FeatureBatch:
-    """One micro-batch on the drafter side: tokens, loss mask and the target's outputs."""
+@dataclass
+class DrafterBatch:
+    """One micro-batch as the drafter step consumes it: tokens, loss mask, the target's outputs."""
 
-    def __init__(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, target: TargetOutputs):
-        self.input_ids = input_ids
-        self.loss_mask = loss_mask
-        self.target = target
+    input_ids: torch.Tensor  # [b, S]
+    loss_mask: torch.Tensor  # [b, S] bool
+    target: TargetOutputs
 
 
 def compute_features(target: FrozenTarget, dataset: TokenDataset, indices: list[int], pad_id: int,
@@ -43,7 +44,7 @@ class LocalFeatures:
         self.target, self.dataset, self.pad_id = target, dataset, pad_id
         self.with_final_hidden = with_final_hidden
 
-    def batches(self, schedule: Iterator[tuple[int, list[int]]]) -> Iterator[tuple[int, list[int], FeatureBatch | None]]:
+    def batches(self, schedule: Iterator[tuple[int, list[int]]]) -> Iterator[tuple[int, list[int], DrafterBatch | None]]:
         """(step, indices, batch) in schedule order; batch is None where this rank got no samples."""
         for step, indices in schedule:
             if not indices:
@@ -51,7 +52,7 @@ class LocalFeatures:
                 continue
             ids, mask, features, final = compute_features(
                 self.target, self.dataset, indices, self.pad_id, self.with_final_hidden)
-            yield step, indices, FeatureBatch(ids, mask, TargetOutputs(features=features, final_hidden=final))
+            yield step, indices, DrafterBatch(ids, mask, TargetOutputs(features=features, final_hidden=final))
 
     def queue_depths(self) -> dict[int, int]:
         return {}
@@ -72,7 +73,7 @@ class RemoteFeatures:
         self.device = device
         self.served_by: dict[int, int] = {}  # target rank -> micro-batches it computed for us
 
-    def batches(self, schedule: Iterator[tuple[int, list[int]]]) -> Iterator[tuple[int, list[int], FeatureBatch | None]]:
+    def batches(self, schedule: Iterator[tuple[int, list[int]]]) -> Iterator[tuple[int, list[int], DrafterBatch | None]]:
         """(step, indices, batch) in schedule order; batch is None where this rank got no samples."""
         pending: deque[tuple[int, list[int]]] = deque()  # requested or empty steps, in the drafter's order
         schedule = iter(schedule)
@@ -97,7 +98,7 @@ class RemoteFeatures:
             self.served_by[got.target_rank] = self.served_by.get(got.target_rank, 0) + 1
             target = TargetOutputs(features=got.features.to(self.device), final_hidden=(
                 got.final_hidden.to(self.device) if got.final_hidden is not None else None))
-            yield step, indices, FeatureBatch(got.input_ids.to(self.device), got.loss_mask.to(self.device), target)
+            yield step, indices, DrafterBatch(got.input_ids.to(self.device), got.loss_mask.to(self.device), target)
 
     def queue_depths(self) -> dict[int, int]:
         return self.client.queue_depths()
