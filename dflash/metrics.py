@@ -113,8 +113,8 @@ class MetricsLogger:
 def progress_line(record: dict, total_steps: int) -> str:
     acc = record["acc"]
     return (
-        f"step {record['step']}/{total_steps} | epoch {record['epoch'] + 1}/{record['epochs']} "
-        f"{100 * record['epoch_fraction']:.0f}% | loss {record['loss']:.3f} | acc1 {acc[0]:.3f} "
+        f"step {record['step']}/{total_steps} | epoch {record['epoch'] + 1}/{record['epochs']}, "
+        f"{100 * record['epoch_fraction']:.0f}% of this epoch | loss {record['loss']:.3f} | acc1 {acc[0]:.3f} "
         f"acc{len(acc)} {acc[-1]:.3f} | streak {record['streak']:.2f} EAL {record['eal']:.2f} | "
         f"lr {record['lr']:.2e} | {record['tokens_per_s']:.0f} tok/s"
     )

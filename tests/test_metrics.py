@@ -1,0 +1,32 @@
+"""The logging window: rates from summed counts, and the progress line users read."""
+
+from __future__ import annotations
+
+import torch
+
+from dflash.metrics import WindowMetrics, progress_line
+from dflash.objective import LossOutput
+
+
+def loss_output(correct: list[float], count: list[float], streaks: list[int]) -> LossOutput:
+    zero = torch.tensor(0.0)
+    return LossOutput(loss=torch.tensor(2.0), ce=torch.tensor(2.0), kl=zero, slot_correct=torch.tensor(correct),
+                      slot_count=torch.tensor(count), block_streaks=torch.tensor(streaks), weight_sum=zero)
+
+
+def test_window_pools_counts_before_dividing():
+    window = WindowMetrics(block_size=3)
+    window.add(loss_output([0, 1, 0], [0, 1, 1], [1]), tokens=10)
+    window.add(loss_output([0, 2, 1], [0, 3, 3], [2, 0, 1]), tokens=30)
+    summary = window.summary()
+    assert summary["acc"] == [0.75, 0.25]  # (1+2)/(1+3), (0+1)/(1+3): pooled, not averaged
+    assert summary["streak"] == 1.0  # 4 leading-correct slots over 4 blocks
+    assert abs(summary["eal"] - (0.75 + 0.75 * 0.25)) < 1e-6
+    assert summary["loss"] == 2.0
+
+
+def test_progress_line_names_epoch_and_fraction():
+    record = {"step": 120, "epoch": 1, "epochs": 6, "epoch_fraction": 0.375, "loss": 1.5, "acc": [0.8, 0.4],
+              "streak": 2.0, "eal": 1.1, "lr": 3e-4, "tokens_per_s": 1234.0}
+    line = progress_line(record, 600)
+    assert line.startswith("step 120/600 | epoch 2/6, 38% of this epoch | loss 1.500 | acc1 0.800 acc2 0.400")
