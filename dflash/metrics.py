@@ -24,26 +24,21 @@ class WindowMetrics:
         self.reset()
 
     def reset(self) -> None:
-        self.loss_sum = 0.0
-        self.ce_sum = 0.0
-        self.kl_sum = 0.0
+        # [loss, ce, kl, streak sum, slot_correct (B), slot_count (B)], summed where the loss
+        # lives: no host sync per step, one copy per log.
+        self.device_sums: torch.Tensor | None = None
         self.micro_batches = 0
-        self.slot_correct = torch.zeros(self.block_size, dtype=torch.float64)
-        self.slot_count = torch.zeros(self.block_size, dtype=torch.float64)
-        self.streak_sum = 0.0
         self.blocks = 0
         self.tokens = 0
         self.draft_positions = 0
         self.started = time.perf_counter()
 
     def add(self, out: LossOutput, tokens: int) -> None:
-        self.loss_sum += float(out.loss.detach())
-        self.ce_sum += float(out.ce)
-        self.kl_sum += float(out.kl)
+        scalars = torch.stack([out.loss.detach().float(), out.ce.float(), out.kl.float(),
+                               out.block_streaks.sum().float()])
+        sums = torch.cat([scalars, out.slot_correct.float(), out.slot_count.float()]).double()
+        self.device_sums = sums if self.device_sums is None else self.device_sums + sums
         self.micro_batches += 1
-        self.slot_correct += out.slot_correct.double().cpu()
-        self.slot_count += out.slot_count.double().cpu()
-        self.streak_sum += float(out.block_streaks.sum())
         self.blocks += int(out.block_streaks.numel())
         self.tokens += tokens
         self.draft_positions += int(out.block_streaks.numel()) * self.block_size
@@ -51,17 +46,20 @@ class WindowMetrics:
     def summary(self, group=None) -> dict:
         """Rates over the window, summed over the ranks of `group` (the drafter ranks) when given;
         throughputs are per rank of that group."""
-        scalars = torch.tensor([self.loss_sum, self.ce_sum, self.kl_sum, self.micro_batches, self.streak_sum,
-                                self.blocks, self.tokens, self.draft_positions], dtype=torch.float64)
-        packed = torch.cat([scalars, self.slot_correct, self.slot_count])
+        sums = self.device_sums.cpu() if self.device_sums is not None else torch.zeros(4 + 2 * self.block_size,
+                                                                                          dtype=torch.float64)
+        counts = torch.tensor([self.micro_batches, self.blocks, self.tokens, self.draft_positions], dtype=torch.float64)
+        packed = torch.cat([sums, counts])
         ranks = 1
         if group is not None and dist.is_initialized():
             on_gpu = dist.get_backend(group) == "nccl"  # NCCL reduces CUDA tensors only
             packed = packed.cuda() if on_gpu else packed
             dist.all_reduce(packed, group=group)
             packed, ranks = packed.cpu(), dist.get_world_size(group)
-        loss, ce, kl, micro, streak, blocks, tokens, positions = packed[:8].tolist()
-        correct, count = packed[8:8 + self.block_size], packed[8 + self.block_size:]
+        bs = self.block_size
+        loss, ce, kl, streak = packed[:4].tolist()
+        correct, count = packed[4:4 + bs], packed[4 + bs:4 + 2 * bs]
+        micro, blocks, tokens, positions = packed[4 + 2 * bs:].tolist()
         n = max(micro, 1)
         seconds = max(time.perf_counter() - self.started, 1e-9)
         acc = (correct / count.clamp(min=1)).float()
