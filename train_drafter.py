@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     from dflash.distributed import init_distributed, shutdown
     from dflash.train import train
 
-    ranks = init_distributed(config.train.device)
+    ranks = init_distributed(config.train.device, config.train.dist_timeout_minutes)
     try:
         result = train(config, ranks)
         if ranks.is_main and config.data.eval_data and config.train.eval_prompts > 0:

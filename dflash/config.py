@@ -51,6 +51,7 @@ class TrainArgs:
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
     target_ranks: str = field(default="colocated", metadata={"help": "colocated | auto | T (ranks running the target)"})
     credits: int = field(default=4, metadata={"help": "split mode: feature requests in flight per drafter/target pair"})
+    dist_timeout_minutes: float = field(default=60.0, metadata={"help": "a collective (e.g. waiting while rank 0 tokenizes the data) that waits longer fails"})
     transport_timeout_s: float = field(default=300.0, metadata={"help": "split mode: a peer silent this long ends the run"})
     epochs: int | None = field(default=None, metadata={"help": "recipe 6, demo 2"})
     max_steps: int = field(default=-1, metadata={"help": "stop after this many optimizer steps (-1: all epochs)"})
