@@ -5,15 +5,18 @@ Layout under <output_dir>/checkpoints/:
                        rng_rank<r>.pt per drafter rank, trainer_state.json (written LAST)
   latest               the newest complete step directory's name, replaced atomically
 A step directory without trainer_state.json was cut off by a crash and is never resumed from.
-Target ranks hold no training state: a resumed run simply asks them for the remaining batches.
+Target ranks hold no training state and take no part in a save: a resumed run simply asks them
+for the remaining batches.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -40,7 +43,8 @@ def save_checkpoint(engine, output_dir: str | Path, step: int, trainer_state: di
     first; only then does drafter rank 0 mark the directory complete and point `latest` at it."""
     root = checkpoint_dir(output_dir)
     tag = f"step_{step}"
-    engine.save_checkpoint(str(root), tag=tag, save_latest=False)
+    with barriers_within(group):
+        engine.save_checkpoint(str(root), tag=tag, save_latest=False)
     torch.save({"cpu": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
                root / tag / f"rng_rank{drafter_rank}.pt")
@@ -51,6 +55,24 @@ def save_checkpoint(engine, output_dir: str | Path, step: int, trainer_state: di
         logger.info("checkpoint %s saved", root / tag)
     dist.barrier(group=group)
     return root / tag
+
+
+@contextlib.contextmanager
+def barriers_within(group) -> Iterator[None]:
+    """DeepSpeed's save_checkpoint waits at barriers of the WORLD group; in split placement the
+    target ranks never reach them. For the save, a barrier without a group means `group`."""
+    import deepspeed.comm as ds_comm  # not at import time: DeepSpeed reads DS_ACCELERATOR then
+
+    original = ds_comm.barrier
+
+    def barrier(group_=None, *args, **kwargs):
+        return original(group_ if group_ is not None else group, *args, **kwargs)
+
+    ds_comm.barrier = barrier
+    try:
+        yield
+    finally:
+        ds_comm.barrier = original
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:

@@ -49,6 +49,7 @@ class TrainArgs:
     output_dir: str = field(default="runs/demo")
     deepspeed_config: str | None = field(default=None, metadata={"help": "DeepSpeed JSON (default: ds_configs/zero1.json on GPU, cpu.json on CPU)"})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
+    precision: str = field(default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32"})
     target_ranks: str = field(default="colocated", metadata={"help": "colocated | auto | T (ranks running the target)"})
     credits: int = field(default=4, metadata={"help": "split mode: feature requests in flight per drafter/target pair"})
     dist_timeout_minutes: float = field(default=60.0, metadata={"help": "a collective (e.g. waiting while rank 0 tokenizes the data) that waits longer fails"})
@@ -166,3 +167,4 @@ def validate(config: RunConfig) -> None:
     _require(t.kl_weight >= 0 and t.feature_noise_std >= 0, "--kl-weight and --feature-noise-std must be >= 0")
     _require(t.eval_dtype in ("float32", "bfloat16"), f"--eval-dtype {t.eval_dtype}: use float32 or bfloat16")
     _require(t.device in ("auto", "cpu", "cuda"), f"--device {t.device}: use auto, cpu or cuda")
+    _require(t.precision in ("auto", "bf16", "fp32"), f"--precision {t.precision}: use auto, bf16 or fp32")

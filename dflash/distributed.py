@@ -62,11 +62,13 @@ def init_distributed(requested_device: str, timeout_minutes: float = 10.0) -> Ra
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed  # after DS_ACCELERATOR is settled: DeepSpeed reads it at import
 
+    backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
-        deepspeed.init_distributed(
-            dist_backend="nccl" if device.type == "cuda" else "gloo",
-            timeout=timedelta(minutes=timeout_minutes),
-        )
+        # device_id binds each rank's NCCL communicators to its own GPU up front, instead of
+        # NCCL guessing the device from the global rank (wrong when ranks are not GPU-ordered)
+        dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes),
+                                device_id=device if device.type == "cuda" else None)
+    deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=timeout_minutes))
     info = RankInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
     setup_logging(info.rank)
     return info
@@ -84,8 +86,14 @@ def setup_logging(rank: int) -> None:
 
 def shutdown(clean: bool = True) -> None:
     """Barrier then destroy: a rank that exits without it can abort at exit (rc -6). After an
-    error there is no barrier (peers may never reach it); the group is only torn down."""
-    if dist.is_initialized():
-        if clean:
-            dist.barrier()
+    error there is no barrier (peers may never reach it), and on NCCL the communicators are
+    aborted: a posted transfer whose peer died would otherwise keep destroy waiting forever."""
+    if not dist.is_initialized():
+        return
+    if clean:
+        dist.barrier()
+        dist.destroy_process_group()
+    elif dist.get_backend() == "nccl":
+        dist.distributed_c10d._abort_process_group()  # every group, the default one included
+    else:
         dist.destroy_process_group()

@@ -12,7 +12,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,10 +77,21 @@ def deepspeed_config(config: RunConfig, device: torch.device) -> dict:
     for key, value in autos.items():
         if ds.get(key, "auto") == "auto":
             ds[key] = value
+    # the tag check all-reduces over the WORLD group, which target ranks never join; our tags
+    # (step_N) are the same on every drafter rank by construction
+    ds.setdefault("checkpoint", {}).setdefault("tag_validation", "Ignore")
     bf16 = ds.setdefault("bf16", {})
     if bf16.get("enabled", "auto") == "auto":
-        bf16["enabled"] = device.type == "cuda"
+        bf16["enabled"] = train_dtype(config, device) == torch.bfloat16
     return ds
+
+
+def train_dtype(config: RunConfig, device: torch.device) -> torch.dtype:
+    """Weights, features and the transport in one precision: bf16 on GPU, fp32 on CPU by default."""
+    precision = config.train.precision
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" else "fp32"
+    return torch.bfloat16 if precision == "bf16" else torch.float32
 
 
 def lr_lambda(total_steps: int, warmup_ratio: float):
@@ -149,7 +159,7 @@ def place_ranks(config: RunConfig, ranks: RankInfo, dcfg, lengths) -> Topology:
 
 def train(config: RunConfig, ranks: RankInfo) -> TrainResult:
     device = ranks.device
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = train_dtype(config, device)
     tokenizer = load_tokenizer(config.model.tokenizer)
     dcfg = build_drafter_config(config, tokenizer)
     dataset = prepare_data(config, tokenizer, ranks)
@@ -169,7 +179,7 @@ def train(config: RunConfig, ranks: RankInfo) -> TrainResult:
     if not topology.is_drafter(ranks.rank):
         server = TargetServer(
             ranks.rank, topology.drafter_ranks, spec,
-            lambda indices: compute_features(target, dataset, indices, pad_id, with_final), groups=pairs,
+            lambda indices: compute_features(target, dataset, indices, pad_id, with_final), pairs,
         )
         server.serve()  # until every drafter rank says stop; rank 0's routing report has the counts
         out_dir = Path(config.train.output_dir)
@@ -177,7 +187,7 @@ def train(config: RunConfig, ranks: RankInfo) -> TrainResult:
     if topology.colocated:
         source = LocalFeatures(target, dataset, pad_id, with_final)
     else:
-        client = DrafterClient(ranks.rank, topology.target_ranks, spec, dataset.lengths, topology.nodes, groups=pairs)
+        client = DrafterClient(ranks.rank, topology.target_ranks, spec, dataset.lengths, pairs, topology.nodes)
         source = RemoteFeatures(client, device)
     return train_drafter_rank(config, ranks, topology, dcfg, dataset, source, data_group, self_group, target)
 
@@ -230,7 +240,6 @@ def train_drafter_rank(config, ranks, topology, dcfg, dataset, source, data_grou
     metrics = MetricsLogger(out_dir, config.train.report_to, config.train.wandb_mode, _flat_config(config),
                             enabled=is_main)
     start_epoch = resume(config, engine, sampler, drafter_rank) if config.train.resume else 0
-    crash_after = int(os.environ.get("DFLASH_CRASH_AFTER_STEP", 0))  # fault injection for resume tests
     guard = SpikeGuard(config.train.spike_factor, group=data_group)
     window = WindowMetrics(dcfg.block_size)
     started = time.perf_counter()
@@ -262,6 +271,7 @@ def train_drafter_rank(config, ranks, topology, dcfg, dataset, source, data_grou
                             epoch_fraction=(batch_step + 1) / sampler.steps_per_epoch(),
                             lr=scheduler.get_last_lr()[0], elapsed_s=time.perf_counter() - started,
                             queue_depths=source.queue_depths(), world_size=ranks.world_size,
+                            drafter_ranks=len(topology.drafter_ranks),
                             skipped_micro_batches=guard.skipped)
                 metrics.log(last)
                 if is_main:
@@ -271,8 +281,6 @@ def train_drafter_rank(config, ranks, topology, dcfg, dataset, source, data_grou
                 sampler_state = {**sampler.state_dict(), "epoch": epoch, "position": batch_step + 1}
                 save_checkpoint(engine, out_dir, engine.global_steps, {"sampler": sampler_state},
                                 drafter_rank, data_group)
-            if engine.global_steps == crash_after:
-                os._exit(17)
             if engine.global_steps >= total_steps:
                 break
         if engine.global_steps >= total_steps:
@@ -323,8 +331,7 @@ def frozen_embedding_and_head(config: RunConfig, dcfg, target: FrozenTarget | No
     a drafter rank needs these two matrices, not the whole target)."""
     if target is not None:
         return target.embed_tokens, target.lm_head
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return FrozenTarget.load_embedding_and_head(config.model.target, dtype, device)
+    return FrozenTarget.load_embedding_and_head(config.model.target, train_dtype(config, device), device)
 
 
 def _flat_config(config: RunConfig) -> dict:

@@ -87,6 +87,19 @@ def run_trainer(args: list[str], nproc: int = 0, timeout: int = 600, env: dict |
                           text=True, timeout=timeout, env=env)
 
 
+def start_ranks(args: list[str], world: int, stderr=subprocess.DEVNULL) -> list[subprocess.Popen]:
+    """Each rank of train_drafter.py as its own process (no launcher), so a test can kill or
+    stop one of them and see what the others do on their own. `stderr` is rank 0's."""
+    import os
+
+    base = {**os.environ, "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port())}
+    return [subprocess.Popen([sys.executable, str(REPO / "train_drafter.py"), *args], cwd=REPO,
+                             env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+                             stdout=subprocess.DEVNULL, stderr=stderr if r == 0 else subprocess.DEVNULL, text=True)
+            for r in range(world)]
+
+
 def free_port() -> int:
     import socket
 

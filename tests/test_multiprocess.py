@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
-from conftest import run_trainer
+from conftest import run_trainer, start_ranks
 
 STEPS = 8
 
@@ -119,29 +122,30 @@ def test_two_nodes_on_one_machine(tiny_setup, tmp_path):
 def test_killed_target_rank_ends_the_drafter_with_a_clear_error(tiny_setup, tmp_path):
     """No launcher in between (torchrun would tear the group down itself): the drafter rank must
     notice on its own that its target rank died, and exit with an error naming it."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from conftest import REPO, free_port
-
-    args = tiny_args(tiny_setup, tmp_path, "--target-ranks", "1")
-    args[args.index("--max-steps") + 1] = "100000"
-    base = {**os.environ, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(free_port())}
-    procs = [subprocess.Popen([sys.executable, str(REPO / "train_drafter.py"), *args], cwd=REPO,
-                              env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-    metrics = tmp_path / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
-        assert time.monotonic() < deadline and procs[0].poll() is None, "training never started"
-        time.sleep(0.2)
-    procs[1].send_signal(signal.SIGKILL)  # the target rank dies mid-run
-    killed_at = time.monotonic()
-    _, err = procs[0].communicate(timeout=120)
-    assert procs[0].returncode != 0
-    assert time.monotonic() - killed_at < 90
+    err, seconds = stop_a_target_mid_run(tiny_args(tiny_setup, tmp_path, "--target-ranks", "1"), tmp_path,
+                                         signal.SIGKILL)
+    assert seconds < 90
     assert "TransportError" in err and "target rank 1" in err, err[-2000:]
+
+
+def stop_a_target_mid_run(args: list[str], out: Path, sig: int) -> tuple[str, float]:
+    """Start drafter rank 0 and target rank 1, send `sig` to the target once training runs;
+    returns the drafter's stderr and how long it took to exit (it must exit non-zero)."""
+    args = list(args)
+    args[args.index("--max-steps") + 1] = "100000"
+    procs = start_ranks(args, 2, stderr=subprocess.PIPE)
+    metrics = out / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 180
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+            assert time.monotonic() < deadline and procs[0].poll() is None, "training never started"
+            time.sleep(0.2)
+        procs[1].send_signal(sig)
+        stopped_at = time.monotonic()
+        _, err = procs[0].communicate(timeout=300)
+        assert procs[0].returncode != 0
+        return err, time.monotonic() - stopped_at
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

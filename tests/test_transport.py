@@ -32,7 +32,6 @@ class Layout:
     targets: int
     drafters: int
     with_final_hidden: bool = True
-    pair_groups: bool = True
     credits: int = 4
     timeout_s: float = 10.0
     steps: int = 30
@@ -138,7 +137,7 @@ def run_ranks(world: int, role: Callable, *args: Any, limit_s: float = 20.0,
 
 def drafter_loop(client: DrafterClient, rank: int, layout: Layout, steps: int) -> dict[str, Any]:
     """Submit while there is credit, consume in step order; check every batch."""
-    submitted, order, depths, served_by, received_at = 0, [], [], Counter(), []
+    submitted, order, depths, served_by = 0, [], [], Counter()
     for step in range(steps):
         while submitted < steps and client.free_credit() > 0:
             client.submit(submitted, layout.sample_ids(rank, submitted))
@@ -148,13 +147,12 @@ def drafter_loop(client: DrafterClient, rank: int, layout: Layout, steps: int) -
         assert_batch_matches(batch, layout.sample_ids(rank, step), layout)
         order.append(batch.step)
         served_by[batch.target_rank] += 1
-        received_at.append(time.monotonic())
     client.close()
-    return {"order": order, "served_by": dict(served_by), "depths": depths, "received_at": received_at}
+    return {"order": order, "served_by": dict(served_by), "depths": depths}
 
 
 def layout_role(rank: int, layout: Layout, target_delay: dict[int, float] | None = None) -> Any:
-    groups = open_pair_groups(layout.drafter_ranks, layout.target_ranks) if layout.pair_groups else None
+    groups = open_pair_groups(layout.drafter_ranks, layout.target_ranks)
     spec = layout.spec()
     if rank in layout.target_ranks:
         delay = (target_delay or {}).get(rank, 0.0)
@@ -167,13 +165,13 @@ def layout_role(rank: int, layout: Layout, target_delay: dict[int, float] | None
 
         stats = TargetServer(rank, layout.drafter_ranks, spec, compute, groups).serve()
         return {"requests": stats.requests, "bytes": stats.bytes_sent, "busy": stats.busy_s}
-    client = DrafterClient(rank, layout.target_ranks, spec, layout.lengths, groups=groups)
+    client = DrafterClient(rank, layout.target_ranks, spec, layout.lengths, groups)
     return drafter_loop(client, rank, layout, layout.steps)
 
 
 def failing_role(rank: int, layout: Layout, failure: str) -> Any:
     """Rank 0 serves, rank 1 drafts; `failure` names which side dies or hangs at its 5th request."""
-    spec = layout.spec()
+    spec, groups = layout.spec(), open_pair_groups([1], [0])
     if rank == 0:
         served = []
 
@@ -185,14 +183,14 @@ def failing_role(rank: int, layout: Layout, failure: str) -> Any:
                 time.sleep(120)
             return fake_compute(ids, layout.with_final_hidden)
 
-        server = TargetServer(0, [1], spec, compute)
+        server = TargetServer(0, [1], spec, compute, groups)
         started = time.monotonic()
         try:
             server.serve()
         except TransportError as exc:
             raise TransportError(f"{exc} [after {time.monotonic() - started:.1f} s]") from exc
         return "served"
-    client = DrafterClient(1, [0], spec, LENGTHS)
+    client = DrafterClient(1, [0], spec, LENGTHS, groups)
     for step in range(spec.credits):
         client.submit(step, layout.sample_ids(1, step))
     for step in range(2):
@@ -214,13 +212,13 @@ def failing_role(rank: int, layout: Layout, failure: str) -> Any:
 
 
 def mismatch_role(rank: int, layout: Layout, what: str) -> Any:
-    spec = layout.spec()
+    spec, groups = layout.spec(), open_pair_groups([1], [0])
     if rank == 0:
         if what == "spec":
             spec = replace(spec, credits=spec.credits + 1)
-        return TargetServer(0, [1], spec, lambda ids: fake_compute(ids, layout.with_final_hidden)).serve()
+        return TargetServer(0, [1], spec, lambda ids: fake_compute(ids, layout.with_final_hidden), groups).serve()
     lengths = LENGTHS + 1 if what == "lengths" else LENGTHS  # the drafter expects longer samples
-    client = DrafterClient(1, [0], spec, lengths)
+    client = DrafterClient(1, [0], spec, lengths, groups)
     client.submit(0, layout.sample_ids(1, 0))
     return client.receive(0)
 
@@ -231,14 +229,13 @@ def seconds_to_fail(message: str) -> float:
     return float(message.rsplit("[after ", 1)[1].rstrip(" s]"))
 
 
-LAYOUTS = [Layout(1, 1, with_final_hidden=True), Layout(1, 1, with_final_hidden=False, pair_groups=False),
+LAYOUTS = [Layout(1, 1, with_final_hidden=True), Layout(1, 1, with_final_hidden=False),
            Layout(2, 1, with_final_hidden=True, dtype=torch.bfloat16), Layout(1, 2, with_final_hidden=False)]
 
 
 def layout_id(layout: Layout) -> str:
-    groups = "pair-groups" if layout.pair_groups else "default-group"
     dtype = str(layout.dtype).removeprefix("torch.")
-    return f"{layout.targets}t{layout.drafters}d-kd{int(layout.with_final_hidden)}-{groups}-{dtype}"
+    return f"{layout.targets}t{layout.drafters}d-kd{int(layout.with_final_hidden)}-{dtype}"
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=layout_id)
@@ -258,23 +255,15 @@ def test_drafters_receive_what_compute_produced_in_step_order(layout):
             assert set(report["served_by"]) == {0, 1}
 
 
-def test_routing_keeps_a_fast_and_a_slow_target_busy_within_credits():
-    layout = Layout(2, 1, with_final_hidden=False, steps=150, uniform=True)
-    # rank 0 is 4x slower and would win every tie on rank; 20 ms keeps the transport's own
-    # per-request cost (about 1 ms with three processes on a 2-core CPU) small beside compute
-    delays = {0: 0.080, 1: 0.020}
-    results = run_ranks(3, layout_role, layout, delays)
+def test_a_slow_target_gets_fewer_micro_batches_and_no_queue_exceeds_its_credit():
+    """The routing rule's throughput is checked on a simulated clock (test_routing.py); here the
+    real transport must apply it: counts and queue depths only, no wall-clock rates."""
+    layout = Layout(2, 1, with_final_hidden=False, steps=60, uniform=True)
+    results = run_ranks(3, layout_role, layout, {0: 0.080, 1: 0.020}, limit_s=60.0)
     assert all(outcome == "ok" for outcome, _ in results.values()), results
     report = results[2][1]
-    bound = sum(1 / d for d in delays.values())  # both targets busy all the time
-    times = report["received_at"]
-    throughput = (layout.steps - 1) / (times[-1] - times[0])
-    assert throughput >= 0.9 * bound, (throughput, bound, report["served_by"])
-    assert report["served_by"][0] < report["served_by"][1] / 2
-    depths = report["depths"]
-    assert max(max(d.values()) for d in depths) <= layout.credits
-    # the pipeline stays primed until the tail: some request is always in flight
-    assert all(sum(d.values()) > 0 for d in depths[: -2 * layout.credits])
+    assert report["served_by"][0] < report["served_by"][1] / 2, report["served_by"]
+    assert max(max(d.values()) for d in report["depths"]) <= layout.credits
 
 
 @pytest.mark.parametrize("failure", ["target dies", "target hangs"])
