@@ -10,8 +10,11 @@
 
 from __future__ import annotations
 
+import faulthandler
 import logging
+import signal
 import sys
+import traceback
 from pathlib import Path
 
 from dflash.config import ConfigError, parse_config
@@ -39,12 +42,13 @@ def final_evaluation(config, result, device) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
     try:
         config = parse_config(argv)
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    from dflash.distributed import init_distributed, shutdown
+    from dflash.distributed import abandon, init_distributed, shutdown
     from dflash.train import train
 
     ranks = init_distributed(config.train.device, config.train.dist_timeout_minutes)
@@ -54,13 +58,16 @@ def main(argv: list[str] | None = None) -> int:
             final_evaluation(config, result, ranks.device)
     except USER_ERRORS as err:
         logger.error("%s", err)
-        shutdown(clean=False)
+        abandon(2)
         return 2
     except BaseException:
-        shutdown(clean=False)
-        raise
+        # said before the teardown: with a dead peer, tearing NCCL down may never return
+        traceback.print_exc()
+        abandon(1)
+        return 1
     shutdown()
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

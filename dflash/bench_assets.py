@@ -5,8 +5,8 @@ of Qwen3-8B and chat data of realistic lengths, tokenized by the demo tokenizer.
     python -m dflash.bench_assets --out /tmp/a --num-layers 4 --samples 20   # a quick small one
 
 The weights are random, so losses mean nothing; shapes, FLOPs, memory and transfer sizes are
-those of the real model. Responses are demo-data text cut to a length drawn uniformly from
-[--min-tokens, --max-tokens].
+those of the real model. Responses are lines of demo answers, about as many tokens as a length
+drawn uniformly from [--min-tokens, --max-tokens].
 """
 
 from __future__ import annotations
@@ -53,21 +53,25 @@ def write_target(args: AssetArgs, folder: Path) -> None:
 
 
 def write_chats(args: AssetArgs, path: Path) -> list[int]:
-    """Chat samples whose responses are demo text cut to a drawn token length; returns the lengths."""
+    """Chat samples whose responses are whole lines of demo answers, as many as reach a drawn token
+    length (whole lines keep the text one the chat template renders as the tokenizer would);
+    returns the response lengths in tokens."""
     tokenizer = AutoTokenizer.from_pretrained(DEMO_TARGET_DIR)
     chats = [json.loads(line)["messages"] for line in DEMO_TRAIN_DATA.read_text().splitlines()]
-    text_ids = [tokenizer.encode(m[-1]["content"], add_special_tokens=False) for m in chats]
-    stream = [i for ids in text_ids for i in ids]
+    lines = [line for chat in chats for line in chat[-1]["content"].splitlines() if line.strip()]
+    line_tokens = [len(tokenizer.encode(line + "\n", add_special_tokens=False)) for line in lines]
     rng = random.Random(args.seed)
     lengths = []
     with path.open("w") as f:
         for _ in range(args.samples):
-            n = rng.randint(args.min_tokens, args.max_tokens)
-            start = rng.randrange(len(stream) - n)
-            prompt = rng.choice(chats)[0]["content"]
-            response = tokenizer.decode(stream[start:start + n])
-            f.write(json.dumps({"messages": [{"role": "user", "content": prompt},
-                                             {"role": "assistant", "content": response}]}) + "\n")
+            want, start = rng.randint(args.min_tokens, args.max_tokens), rng.randrange(len(lines))
+            picked, n = [], 0
+            while n < want:
+                i = (start + len(picked)) % len(lines)
+                picked.append(lines[i])
+                n += line_tokens[i]
+            f.write(json.dumps({"messages": [{"role": "user", "content": rng.choice(chats)[0]["content"]},
+                                             {"role": "assistant", "content": "\n".join(picked)}]}) + "\n")
             lengths.append(n)
     return lengths
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -84,16 +86,32 @@ def setup_logging(rank: int) -> None:
     )
 
 
-def shutdown(clean: bool = True) -> None:
-    """Barrier then destroy: a rank that exits without it can abort at exit (rc -6). After an
-    error there is no barrier (peers may never reach it), and on NCCL the communicators are
-    aborted: a posted transfer whose peer died would otherwise keep destroy waiting forever."""
-    if not dist.is_initialized():
-        return
-    if clean:
+def shutdown() -> None:
+    """Barrier then destroy: a rank that exits without it can abort at exit (rc -6)."""
+    if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-    elif dist.get_backend() == "nccl":
-        dist.distributed_c10d._abort_process_group()  # every group, the default one included
-    else:
-        dist.destroy_process_group()
+
+
+def abandon(exit_code: int, wait_s: float = 10.0) -> None:
+    """After an error: no barrier (peers may never reach it); NCCL communicators are aborted, since
+    a posted transfer whose peer died keeps a plain destroy waiting forever. Even an abort can
+    block on a dead peer, so it gets `wait_s`, after which the process exits with `exit_code`."""
+    if not dist.is_initialized():
+        return
+
+    def tear_down() -> None:
+        if dist.get_backend() == "nccl":
+            dist.distributed_c10d._abort_process_group()  # every group, the default one included
+        else:
+            dist.destroy_process_group()
+
+    worker = threading.Thread(target=tear_down, name="abandon-process-group", daemon=True)
+    worker.start()
+    worker.join(wait_s)
+    if worker.is_alive():
+        logging.getLogger(__name__).error("process-group teardown still blocked after %g s; exiting", wait_s)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)

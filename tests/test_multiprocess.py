@@ -142,7 +142,13 @@ def stop_a_target_mid_run(args: list[str], out: Path, sig: int) -> tuple[str, fl
             time.sleep(0.2)
         procs[1].send_signal(sig)
         stopped_at = time.monotonic()
-        _, err = procs[0].communicate(timeout=300)
+        try:
+            _, err = procs[0].communicate(timeout=150)
+        except subprocess.TimeoutExpired:
+            procs[0].send_signal(signal.SIGUSR1)  # its stacks, for the failure message
+            time.sleep(2)
+            procs[0].kill()
+            raise AssertionError("the drafter did not exit: " + procs[0].communicate()[1][-8000:]) from None
         assert procs[0].returncode != 0
         return err, time.monotonic() - stopped_at
     finally:

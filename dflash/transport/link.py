@@ -76,22 +76,34 @@ class _Watcher:
 
 
 class Op:
-    """One posted isend/irecv; it keeps its tensor alive until the transfer is over."""
+    """One posted isend/irecv; it keeps its tensor alive until the transfer is over. A gloo op is
+    watched by a thread; an NCCL op by a CUDA event recorded after it on a completion stream,
+    since querying the NCCL work object takes the process group's locks, which its watchdog
+    can hold indefinitely once a peer has died."""
 
-    def __init__(self, work: dist.Work, tensor: torch.Tensor, watcher: _Watcher | None) -> None:
+    def __init__(self, work: dist.Work, tensor: torch.Tensor, watcher: _Watcher | None,
+                 completion: torch.cuda.Stream | None = None) -> None:
         self.work, self.tensor = work, tensor
         self.error: Exception | None = None
         self.flag: threading.Event | None = None
+        self.event: torch.cuda.Event | None = None
         if watcher is not None:
             self.flag = threading.Event()
             watcher.watch(self)
+        elif completion is not None:
+            with torch.cuda.stream(completion):
+                work.wait()  # the completion stream waits for the NCCL stream (no host wait)
+                self.event = torch.cuda.Event()
+                self.event.record()
 
     @property
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
 
     def done(self) -> bool:
-        return self.flag.is_set() if self.flag is not None else self.work.is_completed()
+        if self.flag is not None:
+            return self.flag.is_set()
+        return self.event.query()
 
     def pause(self, seconds: float) -> None:
         """Sleep up to `seconds`, waking early when a watched (gloo) op completes."""
@@ -104,8 +116,8 @@ class Op:
         """Raise the transfer's error; on NCCL also order the current stream after it."""
         if self.error is not None:
             raise self.error
-        if self.flag is None:
-            self.work.wait()
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
 
 
 def _no_op() -> None:
@@ -125,7 +137,8 @@ class Link:
         self._device = device
         # payload receives go on a side stream: NCCL orders its stream after the current one,
         # and a receive queued behind this rank's compute would keep the sender's kernel waiting
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" and not gloo_data else None
+        self._completion = torch.cuda.Stream(device) if self._stream is not None else None
 
     # ---- posting
     def send_ints(self, values: list[int], where: str, what: str) -> Op:
@@ -155,7 +168,7 @@ class Link:
             work = fn(tensor, self.peer, group=group)
         except RuntimeError as exc:
             raise self.error(where, f"posting {what} failed ({exc})", self.dead_hint()) from exc
-        return Op(work, tensor, watcher)
+        return Op(work, tensor, watcher, self._completion if group is self._groups.data else None)
 
     # ---- waiting
     def wait(self, ops: list[Op], deadline: float, timeout_s: float, where: str, what: str,
@@ -179,7 +192,7 @@ class Link:
     def hand_over(self, op: Op) -> torch.Tensor:
         """A received payload, ready for use on the current stream."""
         if self._stream is not None:
-            op.work.wait()  # the current stream waits for the NCCL stream
+            op.finish()  # the current stream waits for the transfer
             op.tensor.record_stream(torch.cuda.current_stream(self._device))
         return op.tensor
 
