@@ -223,6 +223,29 @@ def mismatch_role(rank: int, layout: Layout, what: str) -> Any:
     return client.receive(0)
 
 
+def stuck_drafter_role(rank: int, layout: Layout) -> Any:
+    """Rank 0 serves one request and dies on the next; rank 1's main thread then never comes back to the
+    transport, as when a CUDA call waits forever on a transfer from the dead peer."""
+    spec, groups = replace(layout.spec(), watchdog_grace_s=2.0), open_pair_groups([1], [0])
+    if rank == 0:
+        served = []
+
+        def compute(ids: list[int]):
+            served.append(ids)
+            if len(served) == 2:
+                os._exit(3)
+            return fake_compute(ids, layout.with_final_hidden)
+
+        return TargetServer(0, [1], spec, compute, groups).serve()
+    client = DrafterClient(1, [0], spec, LENGTHS, groups)
+    for step in range(spec.credits):
+        client.submit(step, layout.sample_ids(1, step))
+    client.receive(0)
+    client.free_credit()  # routes and sends the steps held back until the target's speed was known
+    time.sleep(60)
+    return "the watchdog did not end this rank"
+
+
 # ---------------------------------------------------------------- tests
 
 def seconds_to_fail(message: str) -> float:
@@ -302,3 +325,13 @@ def test_disagreeing_sides_fail_on_both_with_a_clear_message(what):
     else:
         assert "compute() returned input_ids" in results[0][1]
         assert "bad response header" in results[1][1] and "status 1" in results[1][1]
+
+
+def test_watchdog_ends_a_rank_whose_main_thread_is_stuck_after_its_peer_died(capfd):
+    started = time.monotonic()
+    results = run_ranks(2, stuck_drafter_role, Layout(1, 1, timeout_s=3.0), limit_s=30.0, needed={1})
+    assert results == {}, results  # neither rank returned: the target died, the drafter was ended
+    assert time.monotonic() - started < 25
+    err = capfd.readouterr().err
+    assert "TransportError: rank 1 (drafter): a transfer with target rank 0 failed" in err, err[-3000:]
+    assert "main thread has not returned to notice it in 2 s" in err

@@ -18,7 +18,7 @@ from typing import Callable
 
 import numpy as np
 
-from dflash.transport.link import POLL_S, Link, Op, PairGroups, check_hello, close_links, open_links
+from dflash.transport.link import POLL_S, Link, Op, PairGroups, Watchdog, check_hello, close_links, open_links
 from dflash.transport.routing import RouteView, pick_target
 from dflash.transport.wire import (REQUEST, RESPONSE_HEADER_LEN, STATUS_OK, STOP, WARMUP_BYTES, FeatureBatch,
                                    TransportError, TransportSpec, split_payload)
@@ -70,6 +70,7 @@ class DrafterClient:
         except TransportError:
             close_links(self._links)
             raise
+        self._watchdog = Watchdog(rank, "drafter", self._links, spec.timeout_s, spec.watchdog_grace_s)
 
     def free_credit(self) -> int:
         """How many more steps may be submitted now."""
@@ -111,6 +112,7 @@ class DrafterClient:
         if self._closed:
             return
         self._closed = True
+        self._watchdog.disarm()
         try:
             if not self._failed:
                 self._stop_all()
@@ -122,6 +124,7 @@ class DrafterClient:
             return fn(*args)
         except TransportError:
             self._failed = True
+            self._watchdog.disarm()
             raise
 
     def _handshake(self) -> None:

@@ -16,9 +16,12 @@ silent peer ends in a TransportError naming both ranks instead of a hang.
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, ContextManager, Iterable
 
@@ -71,6 +74,7 @@ class _Watcher:
             try:
                 op.work.wait()
             except Exception as exc:  # handed to the polling thread, which raises TransportError
+                op.failed_at = time.monotonic()
                 op.error = exc
             op.flag.set()
 
@@ -84,6 +88,7 @@ class Op:
     def __init__(self, work: dist.Work, tensor: torch.Tensor, watcher: _Watcher | None,
                  completion: torch.cuda.Stream | None = None) -> None:
         self.work, self.tensor = work, tensor
+        self.posted_at, self.failed_at = time.monotonic(), 0.0
         self.error: Exception | None = None
         self.flag: threading.Event | None = None
         self.event: torch.cuda.Event | None = None
@@ -131,6 +136,8 @@ class Link:
         self.rank, self.role, self.peer = rank, role, peer
         self.peer_role = "target" if role == "drafter" else "drafter"
         self._groups = groups
+        self._lock = threading.Lock()
+        self._control_ops: deque[Op] = deque()  # posted, not yet seen complete (for the watchdog)
         self._control_watchers = (_Watcher(f"control-to-{peer}"), _Watcher(f"control-from-{peer}"))
         gloo_data = dist.get_backend(groups.data) == "gloo"
         self._data_watchers = (_Watcher(f"data-to-{peer}"), _Watcher(f"data-from-{peer}")) if gloo_data else None
@@ -143,11 +150,31 @@ class Link:
     # ---- posting
     def send_ints(self, values: list[int], where: str, what: str) -> Op:
         tensor = torch.tensor(values, dtype=torch.int64)
-        return self._post(dist.isend, tensor, self._groups.control, self._control_watchers[0], where, what)
+        return self._track(self._post(dist.isend, tensor, self._groups.control, self._control_watchers[0], where, what))
 
     def recv_ints(self, n: int, where: str, what: str) -> Op:
         tensor = torch.empty(n, dtype=torch.int64)
-        return self._post(dist.irecv, tensor, self._groups.control, self._control_watchers[1], where, what)
+        return self._track(self._post(dist.irecv, tensor, self._groups.control, self._control_watchers[1], where, what))
+
+    def _track(self, op: Op) -> Op:
+        with self._lock:
+            self._control_ops.append(op)
+        return op
+
+    def stalled(self, timeout_s: float, grace_s: float) -> str | None:
+        """What is wrong on the control channel, judged from its watcher threads alone (no CUDA
+        call, so it can be asked while the main thread is stuck): a transfer that failed `grace_s`
+        ago, or one outstanding for timeout_s + grace_s."""
+        now = time.monotonic()
+        with self._lock:
+            self._control_ops = deque(op for op in self._control_ops if not (op.flag.is_set() and op.error is None))
+            ops = list(self._control_ops)
+        for op in ops:
+            if op.error is not None and now - op.failed_at > grace_s:
+                return f"a transfer with {self.peer_role} rank {self.peer} failed ({op.error})"
+            if op.error is None and now - op.posted_at > timeout_s + grace_s:
+                return f"{self.peer_role} rank {self.peer} has not answered for {now - op.posted_at:.0f} s"
+        return None
 
     def send_payload(self, tensor: torch.Tensor, where: str) -> Op:
         watcher = self._data_watchers[0] if self._data_watchers else None
@@ -212,6 +239,42 @@ class Link:
     def close(self) -> None:
         for watcher in (*self._control_watchers, *(self._data_watchers or ())):
             watcher.close()
+
+
+class Watchdog:
+    """Ends this process when its main thread cannot. The main thread raises TransportError for
+    every failure it can see; but once a peer is gone, a CUDA call on this rank (a kernel loaded
+    on first use, a synchronising free) can wait forever behind an NCCL transfer from that peer,
+    in the driver, where no Python timeout runs. So a thread checks the control channels once
+    a second, and if a failure stands `grace_s` longer than the main thread needed to notice it,
+    it reports the failure and exits. Disarm it once the main thread has taken over (it raised,
+    or closed the transport)."""
+
+    def __init__(self, rank: int, role: str, links: dict[int, Link], timeout_s: float, grace_s: float) -> None:
+        self.rank, self.role, self._links = rank, role, links
+        self.timeout_s, self.grace_s = timeout_s, grace_s
+        self._armed = threading.Event()
+        self._armed.set()
+        threading.Thread(target=self._run, name="transport-watchdog", daemon=True).start()
+
+    def disarm(self) -> None:
+        self._armed.clear()
+
+    def _run(self) -> None:
+        while self._armed.is_set():
+            time.sleep(1.0)
+            for link in list(self._links.values()):
+                problem = link.stalled(self.timeout_s, self.grace_s)
+                if problem and self._armed.is_set():
+                    self._exit(problem)
+
+    def _exit(self, problem: str) -> None:
+        message = (f"TransportError: rank {self.rank} ({self.role}): {problem}, and this rank's main thread "
+                   f"has not returned to notice it in {self.grace_s:g} s (probably inside a CUDA call waiting on "
+                   "a transfer from that peer). Exiting; check the peer's log.")
+        logging.getLogger(__name__).error("%s", message)
+        os.write(2, (message + "\n").encode())
+        os._exit(1)
 
 
 def open_links(rank: int, role: str, peers: list[int], groups: PairGroups, device: torch.device) -> dict[int, Link]:

@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from dflash.transport.link import POLL_S, Link, Op, PairGroups, check_hello, close_links, open_links
+from dflash.transport.link import POLL_S, Link, Op, PairGroups, Watchdog, check_hello, close_links, open_links
 from dflash.transport.wire import (REQUEST, REQUEST_HEADER_LEN, STATUS_BAD_SHAPE, STATUS_OK, STOP, WARMUP_BYTES,
                                    TransportError, TransportSpec, join_payload)
 
@@ -107,6 +107,7 @@ class TargetServer:
         state = _ServeState({d: self._post_header(d, "the first request") for d in self.drafters},
                             sends={d: deque() for d in self.drafters}, live=set(self.drafters))
         last_seen = time.monotonic()
+        watchdog = Watchdog(self.rank, "target", self._links, self.spec.timeout_s, self.spec.watchdog_grace_s)
         try:
             while state.live or state.arrivals:
                 if self._collect(state):
@@ -128,6 +129,7 @@ class TargetServer:
                     stats.idle_s += time.monotonic() - now
             self._reap(state, stats, wait=True)
         finally:
+            watchdog.disarm()
             close_links(self._links)
         logger.info("target rank %d served %s requests, busy %.1f s, idle %.1f s, %.1f MB sent",
                     self.rank, stats.requests, stats.busy_s, stats.idle_s, stats.bytes_sent / 1e6)

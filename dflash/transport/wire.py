@@ -58,6 +58,7 @@ class TransportSpec:
     device: torch.device  # where payloads live: cuda:local_rank (NCCL) or cpu (gloo)
     credits: int = 4
     timeout_s: float = 300.0
+    watchdog_grace_s: float = 10.0  # see link.Watchdog; not part of the hello
 
     def __post_init__(self) -> None:
         if self.feature_dtype not in FEATURE_DTYPES:
