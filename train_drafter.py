@@ -42,7 +42,6 @@ def final_evaluation(config, result, device) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
     try:
         config = parse_config(argv)
     except USER_ERRORS as err:
@@ -70,4 +69,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
     sys.exit(main())

@@ -137,8 +137,19 @@ def drafter_flops(s: CostShapes, length: int) -> float:
     return 3 * (per_layer * s.drafter_layers + fc) + lm_head
 
 
-def suggest_target_ranks(s: CostShapes, lengths: np.ndarray, world_size: int) -> tuple[int, str]:
-    """T:D in proportion to the total target vs drafter FLOPs over the data; and a report."""
+SPLIT_MIN_EFFICIENCY = 0.9
+
+
+def split_efficiency(share: float, world_size: int, targets: int) -> float:
+    """Work done per GPU by a split with `targets` target ranks, relative to colocated (which
+    keeps every GPU busy with both parts): the slower side sets the pace."""
+    return min(targets / share, (world_size - targets) / (1 - share)) / world_size
+
+
+def suggest_target_ranks(s: CostShapes, lengths: np.ndarray, world_size: int) -> tuple[int | str, str]:
+    """The best T for the total target vs drafter FLOPs over the data, or "colocated" when no
+    split keeps SPLIT_MIN_EFFICIENCY of colocated's work per GPU (a split pays for the idle
+    side; it gains memory: drafter ranks hold no target weights); and a report."""
     sample = np.quantile(lengths, [0.1, 0.5, 0.9]).astype(int).tolist()
     rows = [f"  length {n:>6}: target {target_flops(s, n) / n / 1e9:8.3g} GFLOP/token, "
             f"drafter {drafter_flops(s, n) / n / 1e9:8.3g} GFLOP/token, "
@@ -146,13 +157,19 @@ def suggest_target_ranks(s: CostShapes, lengths: np.ndarray, world_size: int) ->
     total_target = sum(target_flops(s, int(n)) for n in lengths)
     total_drafter = sum(drafter_flops(s, int(n)) for n in lengths)
     share = total_target / (total_target + total_drafter)
-    count = min(max(int(round(world_size * share)), 1), max(world_size - 1, 1))
-    report = "\n".join(
-        ["FLOP model (per sequence token, at the 10/50/90% length quantiles):", *rows,
-         f"  whole data: target share {share:.2f} of the work -> suggested --target-ranks {count} "
-         f"of {world_size} (T:D = {count}:{world_size - count})"]
-    )
-    return count, report
+    best = max(range(1, world_size), key=lambda t: split_efficiency(share, world_size, t), default=None)
+    efficiency = split_efficiency(share, world_size, best) if best is not None else 0.0
+    if best is not None and efficiency >= SPLIT_MIN_EFFICIENCY:
+        choice: int | str = best
+        verdict = f"suggested --target-ranks {best} of {world_size} (T:D = {best}:{world_size - best}, " \
+                  f"{efficiency:.0%} of colocated's work per GPU)"
+    else:
+        choice = "colocated"
+        verdict = (f"suggested colocated (the best split, T = {best}, would do {efficiency:.0%} of colocated's "
+                   f"work per GPU)" if best is not None else "suggested colocated (one rank)")
+    report = "\n".join(["FLOP model (per sequence token, at the 10/50/90% length quantiles):", *rows,
+                        f"  whole data: target share {share:.2f} of the work -> {verdict}"])
+    return choice, report
 
 
 def drafter_groups(topology: Topology):

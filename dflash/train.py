@@ -151,7 +151,7 @@ def place_ranks(config: RunConfig, ranks: RankInfo, dcfg, lengths) -> Topology:
     suggested, report = suggest_target_ranks(cost_shapes(dcfg, config), lengths, ranks.world_size)
     logger.info("%s", report)
     if requested == "auto":
-        requested = suggested if ranks.world_size > 1 else "colocated"
+        requested = suggested
     topology = plan_topology(requested, ranks.world_size, ranks_per_node(ranks.world_size))
     logger.info("placement %s", topology.describe())
     return topology

@@ -83,9 +83,14 @@ def test_zero2_over_two_drafter_ranks_matches_one_rank_on_the_doubled_batch(tmp_
         assert proc.returncode == 0, proc.stderr[-3000:]
         results[nproc] = json.loads(out.read_text())
     assert results[1]["global_steps"] == results[2]["global_steps"] == 3
+    # Two ranks sum the gradients in another order than one rank accumulating both micro-batches:
+    # float32 noise of ~1e-7 relative. Adam divides each update by the gradient's own running
+    # scale, so in a near-zero gradient element that noise can move a weight by a visible
+    # fraction of one step (1.86e-6 was seen on one CPU). A wrong split of data or group moves
+    # weights by about one step, lr = 1e-2; atol = 1% of that separates the two.
     for name, value in results[1]["state"].items():
         torch.testing.assert_close(torch.tensor(results[2]["state"][name]), torch.tensor(value),
-                                   rtol=1e-4, atol=1e-6, msg=name)
+                                   rtol=1e-4, atol=1e-4, msg=name)
 
 
 def test_two_nodes_on_one_machine(tiny_setup, tmp_path):
