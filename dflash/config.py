@@ -6,6 +6,7 @@ is given (the shipped demo target and data, sized to finish in minutes on a lapt
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -70,6 +71,7 @@ class TrainArgs:
     spike_factor: float = field(default=3.0, metadata={"help": "skip a micro-batch whose loss exceeds this x the running mean (0: only NaN/inf)"})
     save_every: int = field(default=0, metadata={"help": "checkpoint every N optimizer steps (0: never)"})
     resume: bool = field(default=False, metadata={"help": "continue from the newest complete checkpoint in --output-dir"})
+    overwrite: bool = field(default=False, metadata={"help": "start afresh in an --output-dir that holds an earlier run (its metrics, checkpoints and drafters are deleted)"})
     report_to: str = field(default="wandb", metadata={"help": "wandb | none (metrics.jsonl is always written)"})
     wandb_mode: str = field(default="offline", metadata={"help": "offline (no account needed) | online | disabled"})
     eval_prompts: int = field(default=16, metadata={"help": "held-out prompts decoded at the end (0: skip)"})
@@ -135,6 +137,14 @@ def fill_defaults(config: RunConfig) -> None:
         raise ConfigError("--train-data is required with --target: pass a chat JSONL file")
 
 
+RUN_FILES = ("metrics.jsonl", "checkpoints", "drafter", "drafter-init", "eval.json")
+
+
+def earlier_run_files(output_dir: Path) -> list[str]:
+    """What an earlier run left in output_dir (the prepared data is not a run: it is reused)."""
+    return [name for name in RUN_FILES if (output_dir / name).exists()]
+
+
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
@@ -168,3 +178,19 @@ def validate(config: RunConfig) -> None:
     _require(t.eval_dtype in ("float32", "bfloat16"), f"--eval-dtype {t.eval_dtype}: use float32 or bfloat16")
     _require(t.device in ("auto", "cpu", "cuda"), f"--device {t.device}: use auto, cpu or cuda")
     _require(t.precision in ("auto", "bf16", "fp32"), f"--precision {t.precision}: use auto, bf16 or fp32")
+    _require(math.isfinite(t.lr) and t.lr > 0, f"--lr {t.lr}: use a positive learning rate (recipe 6e-4)")
+    _require(0 <= t.warmup_ratio < 1, f"--warmup-ratio {t.warmup_ratio}: use a fraction in [0, 1)")
+    _require(math.isfinite(t.weight_decay) and t.weight_decay >= 0, f"--weight-decay {t.weight_decay}: use >= 0")
+    _require(math.isfinite(t.grad_clip) and t.grad_clip > 0, f"--grad-clip {t.grad_clip}: use a positive norm")
+    _require(t.gamma is None or (math.isfinite(t.gamma) and t.gamma > 0),
+             f"--gamma {t.gamma}: use a positive decay, or leave it out for the block size's default")
+    _require(t.epochs >= 1, f"--epochs {t.epochs}: need at least 1 (a run of 0 epochs would export an untrained drafter)")
+    _require(t.max_steps == -1 or t.max_steps >= 1, f"--max-steps {t.max_steps}: use -1 (all epochs) or >= 1")
+    _require(t.log_every >= 1, f"--log-every {t.log_every}: need at least 1")
+    _require(t.transport_timeout_s > 0 and t.dist_timeout_minutes > 0,
+             "--transport-timeout-s and --dist-timeout-minutes must be > 0")
+    _require(not (t.resume and t.overwrite), "--resume and --overwrite exclude each other: continue the run, or start afresh")
+    earlier = earlier_run_files(Path(t.output_dir))
+    _require(not earlier or t.resume or t.overwrite,
+             f"--output-dir {t.output_dir} holds an earlier run ({', '.join(earlier)}): pass --resume to continue it, "
+             "--overwrite to start afresh there, or another --output-dir")

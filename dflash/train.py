@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import math
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ import torch.distributed as dist
 
 from dflash.attention import resolve_backend
 from dflash.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from dflash.config import REPO_ROOT, ConfigError, RunConfig
+from dflash.config import REPO_ROOT, ConfigError, RunConfig, earlier_run_files
 from dflash.data import TokenDataset, load_tokenizer, prepare_dataset
 from dflash.distributed import RankInfo
 from dflash.drafter_step import DrafterStep, StepSettings
@@ -122,6 +123,18 @@ def build_drafter_config(config: RunConfig, tokenizer):
     return drafter_config(target_config, config.model.num_draft_layers, layer_ids, config.model.block_size, mask_id)
 
 
+def clear_earlier_run(config: RunConfig, ranks: RankInfo) -> None:
+    """--overwrite: rank 0 deletes what an earlier run left in --output-dir (never the prepared
+    data); the others wait, so no rank writes into a half-deleted folder."""
+    out_dir = Path(config.train.output_dir)
+    if config.train.overwrite and ranks.rank == 0:
+        for name in earlier_run_files(out_dir):
+            path = out_dir / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            logger.info("--overwrite: deleted %s", path)
+    dist.barrier()
+
+
 def prepare_data(config: RunConfig, tokenizer, ranks: RankInfo) -> TokenDataset:
     """Rank 0 tokenizes (or reuses the cached shard); the others wait, then open it."""
     shard = Path(config.train.output_dir) / "data" / "train"
@@ -162,6 +175,7 @@ def train(config: RunConfig, ranks: RankInfo) -> TrainResult:
     dtype = train_dtype(config, device)
     tokenizer = load_tokenizer(config.model.tokenizer)
     dcfg = build_drafter_config(config, tokenizer)
+    clear_earlier_run(config, ranks)
     dataset = prepare_data(config, tokenizer, ranks)
     topology = place_ranks(config, ranks, dcfg, dataset.lengths)
     data_group, self_group = drafter_groups(topology)
@@ -222,7 +236,7 @@ def train_drafter_rank(config, ranks, topology, dcfg, dataset, source, data_grou
         model=drafter, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(config, device),
         mpu=DrafterParallelism(data_group, self_group, topology.drafter_ranks),
     )
-    gamma = config.train.gamma or default_gamma(dcfg.block_size)
+    gamma = config.train.gamma if config.train.gamma is not None else default_gamma(dcfg.block_size)
     settings = StepSettings(
         max_anchors=config.train.max_anchors, slot_weights=slot_weights(dcfg.block_size, gamma),
         attention_backend=resolve_backend(config.model.attention_backend, device), kl_weight=config.train.kl_weight,

@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/setup.sh
-exec .venv/bin/python train_drafter.py "$@"
+exec .venv/bin/python train_drafter.py --overwrite "$@"  # the demo starts afresh each time

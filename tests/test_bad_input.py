@@ -46,6 +46,13 @@ def test_missing_data_file(capsys, paths):
     (["--overflow", "wrap"], "--overflow wrap"),
     (["--max-tokens", "100", "--max-length", "512"], "--max-tokens 100"),
     (["--report-to", "tensorboard"], "--report-to tensorboard"),
+    (["--epochs", "0"], "--epochs 0: need at least 1"),
+    (["--lr", "nan"], "--lr nan"),
+    (["--lr=-1e-3"], "--lr -0.001"),
+    (["--log-every", "0"], "--log-every 0"),
+    (["--gamma", "0"], "--gamma 0.0"),
+    (["--warmup-ratio", "1.5"], "--warmup-ratio 1.5"),
+    (["--resume", "--overwrite"], "exclude each other"),
 ])
 def test_impossible_settings(capsys, paths, flags, fragment):
     fails_with(capsys, ["--target", paths["target"], "--train-data", paths["data"], *flags], fragment)
@@ -85,3 +92,11 @@ def test_impossible_placements():
 def test_target_ranks_flag_is_checked_before_launching(capsys, paths):
     fails_with(capsys, ["--target", paths["target"], "--train-data", paths["data"], "--target-ranks", "half"],
                "--target-ranks half")
+
+
+def test_an_output_dir_with_an_earlier_run_needs_resume_or_overwrite(capsys, paths):
+    out = paths["tmp"] / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text("{}\n")
+    fails_with(capsys, ["--target", paths["target"], "--train-data", paths["data"], "--output-dir", str(out)],
+               f"--output-dir {out} holds an earlier run (metrics.jsonl, checkpoints)", "--resume", "--overwrite")
