@@ -41,6 +41,8 @@ class DataArgs:
     eval_data: str | None = field(default=None, metadata={"help": "held-out chat JSONL for the final evaluation"})
     max_length: int | None = field(default=None, metadata={"help": "tokens per sequence (recipe 3072, demo 512)"})
     overflow: str = field(default="truncate", metadata={"help": "longer sequences: truncate | drop"})
+    on_bad_sample: str = field(default="skip", metadata={"help": "skip (counted, listed in <output-dir>/data/train/bad_samples.txt) | error"})
+    max_bad_fraction: float = field(default=0.01, metadata={"help": "with skip: more bad samples than this fraction stops the run"})
     bucket_boundaries: list[int] = field(default_factory=lambda: list(DEFAULT_BUCKETS))
     max_tokens: int | None = field(default=None, metadata={"help": "padded tokens per micro-batch (recipe 8192, demo 2048)"})
 
@@ -159,6 +161,8 @@ def validate(config: RunConfig) -> None:
     if d.eval_data is not None:
         _require(Path(d.eval_data).is_file(), f"--eval-data {d.eval_data}: no such file")
     _require(d.overflow in ("truncate", "drop"), f"--overflow {d.overflow}: use truncate or drop")
+    _require(d.on_bad_sample in ("skip", "error"), f"--on-bad-sample {d.on_bad_sample}: use skip or error")
+    _require(0 <= d.max_bad_fraction <= 1, f"--max-bad-fraction {d.max_bad_fraction}: use a fraction in [0, 1]")
     _require(m.num_draft_layers >= 1, f"--num-draft-layers {m.num_draft_layers}: need at least 1")
     _require(2 <= m.block_size <= d.max_length,
              f"--block-size {m.block_size}: need 2 <= block size <= --max-length ({d.max_length})")

@@ -18,7 +18,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +34,12 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 ROLES = ("system", "user", "assistant", "tool")
 OVERFLOW_POLICIES = ("truncate", "drop")
+BAD_SAMPLE_POLICIES = ("skip", "error")
+BAD_SAMPLES_FILE = "bad_samples.txt"
+# Content beyond max_length x this many characters cannot reach the first max_length tokens
+# (no tokenizer we know has longer tokens), so it is cut before tokenizing: a 14 MB line
+# then costs what a max_length one does.
+MAX_CHARS_PER_TOKEN = 64
 
 MANIFEST = "manifest.json"
 IDS_FILE = "ids.bin"
@@ -48,17 +54,27 @@ class DataError(ValueError):
     """Bad input data or settings; the message says what, where and what to do."""
 
 
+class SampleError(DataError):
+    """One bad sample (line): skipped and counted under --on-bad-sample skip."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason  # a short category, for the counts
+
+
 # ---------------------------------------------------------------------------
 # JSONL loading
 
 
 def load_chat_jsonl(path: str | Path) -> list[Messages]:
-    """Read every conversation of a chat JSONL file as a list of role/content messages."""
-    return [messages for _, messages in _iter_chat_jsonl(Path(path))]
+    """Read every conversation of a chat JSONL file as a list of role/content messages; the
+    first bad line raises a DataError naming it."""
+    path = Path(path)
+    return [parse_line(raw, f"{path}:{lineno}") for lineno, raw in _iter_lines(path)]
 
 
-def _iter_chat_jsonl(path: Path) -> Iterator[tuple[int, Messages]]:
-    """Yield (line number, messages) for each non-blank line; raise DataError on bad input."""
+def _iter_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """Yield (line number, raw bytes) for each non-blank line."""
     try:
         handle = path.open("rb")
     except OSError as err:
@@ -66,41 +82,45 @@ def _iter_chat_jsonl(path: Path) -> Iterator[tuple[int, Messages]]:
     found = False
     with handle:
         for lineno, raw in enumerate(handle, start=1):
-            where = f"{path}:{lineno}"
-            line = _decode_line(raw, where)
-            if not line.strip():
+            if not raw.strip():
                 continue
             found = True
-            yield lineno, _parse_record(_parse_json(line, where), where)
+            yield lineno, raw
     if not found:
         raise DataError(f"{path}: no conversations (the file is empty or only blank lines); "
                         "pass a JSONL file with one conversation per line")
+
+
+def parse_line(raw: bytes, where: str) -> Messages:
+    """One JSONL line -> messages; raises SampleError naming `where`."""
+    return _parse_record(_parse_json(_decode_line(raw, where), where), where)
 
 
 def _decode_line(raw: bytes, where: str) -> str:
     try:
         return raw.decode("utf-8-sig")  # -sig: tolerate a byte-order mark on the first line
     except UnicodeDecodeError as err:
-        raise DataError(f"{where}: not valid UTF-8 ({err.reason}); re-encode the file as UTF-8") from err
+        raise SampleError(f"{where}: not valid UTF-8 ({err.reason}); re-encode the file as UTF-8",
+                          "not UTF-8") from err
 
 
 def _parse_json(line: str, where: str) -> Any:
     try:
         return json.loads(line)
     except json.JSONDecodeError as err:
-        raise DataError(f"{where}: malformed JSON ({err.msg} at column {err.colno}); "
-                        "each line must be one JSON object") from err
+        raise SampleError(f"{where}: malformed JSON ({err.msg} at column {err.colno}); "
+                          "each line must be one JSON object", "malformed JSON") from err
 
 
 def _parse_record(record: Any, where: str) -> Messages:
     """Turn one JSON line into messages, accepting the `messages` or `prompt`/`response` form."""
     if not isinstance(record, dict):
-        raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        raise SampleError(f"{where}: expected a JSON object, got {type(record).__name__}", "not a conversation")
     has_messages = "messages" in record
     has_pair = "prompt" in record or "response" in record
     if has_messages == has_pair:
-        raise DataError(f"{where}: expected either a 'messages' list or 'prompt' and 'response' "
-                        f"strings, got keys {sorted(record)}")
+        raise SampleError(f"{where}: expected either a 'messages' list or 'prompt' and 'response' "
+                          f"strings, got keys {sorted(record)}", "not a conversation")
     if has_messages:
         messages = _parse_messages(record["messages"], where)
     else:
@@ -116,23 +136,23 @@ def _string_field(record: dict, key: str, where: str) -> str:
     """Return record[key], which must be a string."""
     value = record.get(key)
     if not isinstance(value, str):
-        raise DataError(f"{where}: '{key}' must be a string, got {type(value).__name__}")
+        raise SampleError(f"{where}: '{key}' must be a string, got {type(value).__name__}", "wrong type")
     return value
 
 
 def _parse_messages(raw: Any, where: str) -> Messages:
     """Validate a messages list, keeping only role and content (extra keys are ignored)."""
     if not isinstance(raw, list) or not raw:
-        raise DataError(f"{where}: 'messages' must be a non-empty list of "
-                        "{'role': ..., 'content': ...} objects")
+        raise SampleError(f"{where}: 'messages' must be a non-empty list of "
+                          "{'role': ..., 'content': ...} objects", "empty conversation")
     messages = []
     for turn, message in enumerate(raw):
         turn_where = f"{where}: messages[{turn}]"
         if not isinstance(message, dict):
-            raise DataError(f"{turn_where} must be an object, got {type(message).__name__}")
+            raise SampleError(f"{turn_where} must be an object, got {type(message).__name__}", "wrong type")
         role = _string_field(message, "role", turn_where)
         if role not in ROLES:
-            raise DataError(f"{turn_where}: unknown role {role!r}; expected one of {list(ROLES)}")
+            raise SampleError(f"{turn_where}: unknown role {role!r}; expected one of {list(ROLES)}", "unknown role")
         messages.append({"role": role, "content": _string_field(message, "content", turn_where)})
     return messages
 
@@ -141,12 +161,12 @@ def _check_assistant_replies(messages: Messages, where: str) -> None:
     """A conversation must train on something: at least one non-empty assistant turn."""
     replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not replies:
-        raise DataError(f"{where}: conversation has no assistant turn, so nothing to train on; "
-                        "add an assistant reply or remove the line")
+        raise SampleError(f"{where}: conversation has no assistant turn, so nothing to train on; "
+                          "add an assistant reply or remove the line", "no assistant turn")
     for turn in replies:
         if not messages[turn]["content"].strip():
-            raise DataError(f"{where}: assistant turn messages[{turn}] has empty content; "
-                            "fill it in or remove the line")
+            raise SampleError(f"{where}: assistant turn messages[{turn}] has empty content; "
+                              "fill it in or remove the line", "empty assistant turn")
 
 
 # ---------------------------------------------------------------------------
@@ -154,34 +174,38 @@ def _check_assistant_replies(messages: Messages, where: str) -> None:
 
 
 def tokenize_conversation(
-    tokenizer: PreTrainedTokenizerBase, messages: Messages
+    tokenizer: PreTrainedTokenizerBase, messages: Messages, max_chars: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """Return (token ids int32, loss mask bool) of a conversation rendered by the chat template.
 
-    The mask is True on what each assistant turn produces: its content and its
-    end-of-turn token, never the role header. Each turn's span is found by
-    rendering the conversation up to the turn with a generation prompt (span
-    start) and including the turn (span end); both renders must be token
-    prefixes of the full render, otherwise the span would be guesswork.
+    The mask is True on what each assistant turn produces: its content and its end-of-turn
+    token, never the role header. A turn's characters are found by rendering the conversation
+    up to the turn with a generation prompt (span start) and including the turn (span end),
+    both of which must be TEXT prefixes of the full render; the full render is tokenized once,
+    and the tokens overlapping those characters are the turn's. Contents longer than
+    `max_chars` are cut first (see MAX_CHARS_PER_TOKEN).
     """
     _require_chat_template(tokenizer)
     replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not replies:
-        raise DataError("conversation has no assistant turn; nothing to put in the loss mask")
+        raise SampleError("conversation has no assistant turn; nothing to put in the loss mask", "no assistant turn")
     if replies[0] == 0:
         # Templates cannot render the empty prompt that would mark where the reply starts.
-        raise DataError("conversation starts with an assistant turn; put a user or system "
-                        "message before it")
+        raise SampleError("conversation starts with an assistant turn; put a user or system message before it",
+                          "starts with an assistant turn")
     # Turns after the last reply carry no loss and cannot affect it (causal), so skip them.
-    messages = messages[: replies[-1] + 1]
-    ids = _render_ids(tokenizer, messages, add_generation_prompt=False)
+    messages = [{**m, "content": m["content"][:max_chars]} for m in messages[: replies[-1] + 1]]
+    text = _render_text(tokenizer, messages, add_generation_prompt=False)
+    encoded = _encode_with_offsets(tokenizer, text)
+    ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
     mask = np.zeros(len(ids), dtype=bool)
     for turn in replies:
-        start = _render_ids(tokenizer, messages[:turn], add_generation_prompt=True)
-        end = _render_ids(tokenizer, messages[: turn + 1], add_generation_prompt=False)
-        _check_token_prefix(start, end, turn, "the generation prompt", "the turn")
-        _check_token_prefix(end, ids, turn, "the turn", "the whole conversation")
-        mask[len(start) : _reply_end(tokenizer, end, len(start))] = True
+        start = _render_text(tokenizer, messages[:turn], add_generation_prompt=True)
+        end = _render_text(tokenizer, messages[: turn + 1], add_generation_prompt=False)
+        _check_text_prefix(start, end, turn, "the generation prompt", "the turn")
+        _check_text_prefix(end, text, turn, "the turn", "the whole conversation")
+        first, last = _token_span(offsets, len(start), len(end))
+        mask[first:_reply_end(tokenizer, ids, first, last)] = True
     return np.asarray(ids, dtype=np.int32), mask
 
 
@@ -216,43 +240,55 @@ def _require_chat_template(tokenizer: PreTrainedTokenizerBase) -> None:
                         "pass a tokenizer with a chat template (--tokenizer)")
 
 
-def _render_ids(
-    tokenizer: PreTrainedTokenizerBase, messages: Messages, add_generation_prompt: bool
-) -> list[int]:
-    """Render with the chat template as text, then tokenize without adding extra specials."""
+def _render_text(tokenizer: PreTrainedTokenizerBase, messages: Messages, add_generation_prompt: bool) -> str:
     try:
-        text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     except (jinja2.TemplateError, ValueError) as err:
-        raise DataError(f"the chat template failed to render a conversation prefix ({err}); "
-                        "check the data or pass a different --tokenizer") from err
+        raise SampleError(f"the chat template failed to render a conversation prefix ({err}); "
+                          "check the data or pass a different --tokenizer", "template error") from err
+
+
+def _render_ids(tokenizer: PreTrainedTokenizerBase, messages: Messages, add_generation_prompt: bool) -> list[int]:
+    """Render with the chat template as text, then tokenize without adding extra specials."""
     # The template already writes any BOS; add_special_tokens would duplicate it.
+    text = _render_text(tokenizer, messages, add_generation_prompt)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _check_token_prefix(
-    prefix: list[int], full: list[int], turn: int, prefix_name: str, full_name: str
-) -> None:
-    if full[: len(prefix)] != prefix:
-        raise DataError(f"assistant turn messages[{turn}]: the chat template is not prefix-stable "
-                        f"({prefix_name} does not tokenize to a prefix of {full_name}), so the "
-                        "assistant tokens cannot be located; pass a --tokenizer whose template "
-                        "renders earlier turns unchanged")
+def _encode_with_offsets(tokenizer: PreTrainedTokenizerBase, text: str):
+    try:
+        return tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    except NotImplementedError as err:  # only "fast" (Rust) tokenizers report character offsets
+        raise DataError(f"tokenizer {tokenizer.name_or_path!r} cannot report character offsets; "
+                        "pass a fast tokenizer (a tokenizer.json) with --tokenizer") from err
 
 
-def _reply_end(tokenizer: PreTrainedTokenizerBase, turn_ids: list[int], start: int) -> int:
+def _check_text_prefix(prefix: str, full: str, turn: int, prefix_name: str, full_name: str) -> None:
+    if not full.startswith(prefix):
+        raise SampleError(f"assistant turn messages[{turn}]: the chat template is not prefix-stable "
+                          f"({prefix_name} does not render as a prefix of {full_name}), so the "
+                          "assistant tokens cannot be located; pass a --tokenizer whose template "
+                          "renders earlier turns unchanged", "template not prefix-stable")
+
+
+def _token_span(offsets: list[tuple[int, int]], start: int, end: int) -> tuple[int, int]:
+    """Tokens [first, last) that overlap characters [start, end)."""
+    first = next((i for i, (a, b) in enumerate(offsets) if b > start), len(offsets))
+    last = next((i for i in range(first, len(offsets)) if offsets[i][0] >= end), len(offsets))
+    return first, last
+
+
+def _reply_end(tokenizer: PreTrainedTokenizerBase, ids: list[int], first: int, last: int) -> int:
     """End of the assistant span: just after its end-of-turn token, skipping template whitespace.
 
     Templates often write a newline after the end-of-turn token; generation
     stops at that token, so the newline is not something the model produces.
     """
     special = _special_ids(tokenizer)
-    for pos in range(len(turn_ids) - 1, start - 1, -1):
-        if turn_ids[pos] in special:
-            tail = tokenizer.decode(turn_ids[pos + 1 :])
-            return pos + 1 if not tail.strip() else len(turn_ids)
-    return len(turn_ids)
+    for pos in range(last - 1, first - 1, -1):
+        if ids[pos] in special:
+            return pos + 1 if not tokenizer.decode(ids[pos + 1:last]).strip() else last
+    return last
 
 
 def _special_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
@@ -272,6 +308,8 @@ class PrepareStats:
     samples_kept: int = 0
     samples_truncated: int = 0  # kept, but cut at max_length
     samples_dropped: int = 0  # too long under "drop", or no loss token left after truncation
+    samples_bad: int = 0  # skipped under --on-bad-sample skip, listed in bad_samples.txt
+    bad_reasons: dict[str, int] = field(default_factory=dict)
     num_tokens: int = 0
     num_loss_tokens: int = 0
 
@@ -282,15 +320,22 @@ def prepare_dataset(
     out_dir: str | Path,
     max_length: int,
     overflow: str = "truncate",
+    on_bad_sample: str = "skip",
+    max_bad_fraction: float = 0.01,
 ) -> Path:
     """Tokenize a chat JSONL file into a shard directory and return its path.
 
     A shard that is already up to date for this source file, tokenizer and
     settings is reused. The shard is written to a temporary directory and
     renamed into place, so an interrupted run never leaves a valid-looking one.
+    Bad samples stop the preparation (`on_bad_sample="error"`) or are skipped, counted by
+    reason and listed with file:line in <shard>/bad_samples.txt, up to `max_bad_fraction`
+    of the samples read.
     """
     if overflow not in OVERFLOW_POLICIES:
         raise DataError(f"--overflow must be one of {list(OVERFLOW_POLICIES)}, got {overflow!r}")
+    if on_bad_sample not in BAD_SAMPLE_POLICIES:
+        raise DataError(f"--on-bad-sample must be one of {list(BAD_SAMPLE_POLICIES)}, got {on_bad_sample!r}")
     if max_length < 1:
         raise DataError(f"--max-length must be a positive number of tokens, got {max_length}")
     _require_chat_template(tokenizer)
@@ -299,6 +344,8 @@ def prepare_dataset(
         "format_version": FORMAT_VERSION,
         "max_length": max_length,
         "overflow": overflow,
+        "on_bad_sample": on_bad_sample,
+        "max_bad_fraction": max_bad_fraction,
         "source": _source_identity(source),
         "tokenizer": _tokenizer_identity(tokenizer),
     }
@@ -309,13 +356,17 @@ def prepare_dataset(
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        stats, lengths = _write_token_files(staging, source, tokenizer, max_length, overflow)
+        stats, lengths = _write_token_files(staging, source, tokenizer, max_length, overflow,
+                                            on_bad_sample, max_bad_fraction)
         _write_index_and_manifest(staging, lengths, stats, settings)
         _replace_dir(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     logger.info("prepared %s: %s", out, stats)
+    if stats.samples_bad:
+        logger.warning("%s: skipped %d bad samples of %d (%s); each is listed in %s", source, stats.samples_bad,
+                       stats.samples_read, stats.bad_reasons, out / BAD_SAMPLES_FILE)
     return out
 
 
@@ -364,16 +415,24 @@ def _write_token_files(
     tokenizer: PreTrainedTokenizerBase,
     max_length: int,
     overflow: str,
+    on_bad_sample: str,
+    max_bad_fraction: float,
 ) -> tuple[PrepareStats, list[int]]:
     """Stream every kept sample into ids.bin / loss_mask.bin; return stats and sample lengths."""
-    stats, lengths = PrepareStats(), []
+    stats, lengths, bad = PrepareStats(), [], []
     with (staging / IDS_FILE).open("wb") as ids_file, (staging / LOSS_MASK_FILE).open("wb") as mask_file:
-        for lineno, messages in _iter_chat_jsonl(source):
+        for lineno, raw in _iter_lines(source):
             stats.samples_read += 1
+            where = f"{source}:{lineno}"
             try:
-                ids, mask = tokenize_conversation(tokenizer, messages)
-            except DataError as err:
-                raise DataError(f"{source}:{lineno}: {err}") from err
+                ids, mask = tokenize_conversation(tokenizer, parse_line(raw, where), max_length * MAX_CHARS_PER_TOKEN)
+            except SampleError as err:
+                message = str(err) if str(err).startswith(where) else f"{where}: {err}"
+                if on_bad_sample == "error":
+                    raise DataError(f"{message} (--on-bad-sample skip would skip it)") from err
+                bad.append((err.reason, message))
+                stats.bad_reasons[err.reason] = stats.bad_reasons.get(err.reason, 0) + 1
+                continue
             truncated = len(ids) > max_length
             if truncated and overflow == "drop":
                 stats.samples_dropped += 1
@@ -389,12 +448,29 @@ def _write_token_files(
             lengths.append(len(ids))
             ids.tofile(ids_file)
             mask.astype(np.uint8).tofile(mask_file)
+    stats.samples_bad = len(bad)
+    _report_bad_samples(staging, source, stats, bad, max_bad_fraction)
     _log_overflow(stats, max_length, overflow)
     if not stats.samples_kept:
         raise DataError(f"{source}: all {stats.samples_read} samples were dropped (longer than "
                         f"--max-length={max_length} or no assistant token within it); raise "
                         "--max-length or use --overflow truncate")
     return stats, lengths
+
+
+def _report_bad_samples(staging: Path, source: Path, stats: PrepareStats, bad: list[tuple[str, str]],
+                        max_bad_fraction: float) -> None:
+    """List the skipped samples in the shard; fail when they are more than the bound allows."""
+    if not bad:
+        return
+    (staging / BAD_SAMPLES_FILE).write_text("".join(f"{reason}: {message}\n" for reason, message in bad))
+    counts = ", ".join(f"{reason}: {n}" for reason, n in sorted(stats.bad_reasons.items()))
+    fraction = len(bad) / stats.samples_read
+    if fraction > max_bad_fraction:
+        first = "\n  ".join(message for _, message in bad[:3])
+        raise DataError(f"{source}: {len(bad)} of {stats.samples_read} samples are bad ({fraction:.1%}, above "
+                        f"--max-bad-fraction {max_bad_fraction:g}; {counts}). The first:\n  {first}\n"
+                        "Fix the data, or raise --max-bad-fraction to skip them all.")
 
 
 def _log_overflow(stats: PrepareStats, max_length: int, overflow: str) -> None:

@@ -138,12 +138,15 @@ def clear_earlier_run(config: RunConfig, ranks: RankInfo) -> None:
 def prepare_data(config: RunConfig, tokenizer, ranks: RankInfo) -> TokenDataset:
     """Rank 0 tokenizes (or reuses the cached shard); the others wait, then open it."""
     shard = Path(config.train.output_dir) / "data" / "train"
+    d = config.data
+    settings = dict(max_length=d.max_length, overflow=d.overflow, on_bad_sample=d.on_bad_sample,
+                    max_bad_fraction=d.max_bad_fraction)
     if ranks.rank == 0:
-        prepare_dataset(config.data.train_data, tokenizer, shard, config.data.max_length, config.data.overflow)
+        prepare_dataset(d.train_data, tokenizer, shard, **settings)
     dist.barrier()
     # Nodes that do not share rank 0's filesystem build (or reuse) their own copy.
     if ranks.local_rank == 0 and not (shard / "manifest.json").is_file():
-        prepare_dataset(config.data.train_data, tokenizer, shard, config.data.max_length, config.data.overflow)
+        prepare_dataset(d.train_data, tokenizer, shard, **settings)
     dist.barrier()
     return TokenDataset(shard)
 

@@ -449,3 +449,56 @@ def test_prompt_ids_stop_at_the_generation_prompt():
     assert text.endswith("<|im_start|>assistant\n") and "hi back" not in text
     full, mask = tokenize_conversation(tok, messages)
     assert list(full[: len(ids)]) == ids and not mask[: len(ids)].any() and mask[len(ids)]
+
+
+# ---------------------------------------------------------------------------
+# Bad samples: skipped, counted and listed, within a bound
+
+
+def test_bad_samples_are_skipped_counted_and_listed_with_file_and_line(tokenizer, tmp_path):
+    good = [SAMPLES[i % 3] for i in range(197)]
+    bad = ["{not json", json.dumps(chat(("user", "a"), ("robot", "b"))), '{"prompt": "a", "response": ""}']
+    lines = good[:50] + [bad[0]] + good[50:120] + [bad[1]] + good[120:] + [bad[2]]
+    path = write_jsonl(tmp_path / "d.jsonl", lines)
+    shard = prepare_dataset(path, tokenizer, tmp_path / "shard", max_length=64, max_bad_fraction=0.02)
+    assert len(TokenDataset(shard)) == 197
+    manifest = json.loads((shard / "manifest.json").read_text())
+    assert manifest["stats"]["samples_bad"] == 3
+    assert manifest["stats"]["bad_reasons"] == {"malformed JSON": 1, "unknown role": 1, "empty assistant turn": 1}
+    report = (shard / data.BAD_SAMPLES_FILE).read_text().splitlines()
+    assert [line.split(": ", 2)[1] for line in report] == [f"{path}:51", f"{path}:122", f"{path}:200"]
+
+
+def test_more_bad_samples_than_the_bound_stop_the_preparation(tokenizer, tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [SAMPLES[0]] * 97 + ["{oops"] * 3)
+    with pytest.raises(DataError, match=r"3 of 100 samples are bad \(3.0%, above --max-bad-fraction 0.01"):
+        prepare_dataset(path, tokenizer, tmp_path / "shard", max_length=64)
+    with pytest.raises(DataError, match=f"{path}:98: malformed JSON"):
+        prepare_dataset(path, tokenizer, tmp_path / "shard", max_length=64, on_bad_sample="error")
+    shard = prepare_dataset(path, tokenizer, tmp_path / "shard", max_length=64, max_bad_fraction=0.05)
+    assert len(TokenDataset(shard)) == 97
+
+
+def test_a_reply_whose_first_token_merges_with_the_prompt_is_located_by_characters():
+    """Byte-level BPE merges the generation prompt's closing newline with a reply that opens
+    with one, so the prompt is no TOKEN prefix of the turn; its text still is, and that
+    locates the reply."""
+    from dflash.demo import DEMO_TARGET_DIR
+
+    demo = data.load_tokenizer(DEMO_TARGET_DIR)
+    messages = [{"role": "user", "content": "Continue this Python code:\nif x:"},
+                {"role": "assistant", "content": "\n    return x + 1\n    pass"}]
+    start = data._render_ids(demo, messages[:1], add_generation_prompt=True)
+    turn = data._render_ids(demo, messages, add_generation_prompt=False)
+    assert turn[:len(start)] != start  # the case a token-prefix rule must reject
+    ids, mask = tokenize_conversation(demo, messages)
+    reply = demo.decode(ids[mask])
+    assert "return x + 1\n    pass" in reply and "Continue" not in reply and "assistant" not in reply
+
+
+def test_overlong_content_is_cut_by_characters_without_changing_the_kept_tokens(tokenizer):
+    messages = [{"role": "user", "content": "tell me"}, {"role": "assistant", "content": "the cat sat " * 5000}]
+    full_ids, full_mask = tokenize_conversation(tokenizer, messages)
+    ids, mask = tokenize_conversation(tokenizer, messages, max_chars=64 * data.MAX_CHARS_PER_TOKEN)
+    assert len(ids) < len(full_ids)
+    assert np.array_equal(ids[:64], full_ids[:64]) and np.array_equal(mask[:64], full_mask[:64])
