@@ -17,13 +17,15 @@ import sys
 import traceback
 from pathlib import Path
 
+from dflash.checkpoint import CheckpointError
 from dflash.config import ConfigError, parse_config
 from dflash.data import DataError
+from dflash.files import StorageError
 from dflash.target import TargetError
 from dflash.topology import TopologyError
 
 logger = logging.getLogger("train_drafter")
-USER_ERRORS = (ConfigError, DataError, TargetError, TopologyError)
+USER_ERRORS = (ConfigError, DataError, TargetError, TopologyError, CheckpointError, StorageError)
 
 
 def final_evaluation(config, result, device) -> None:

@@ -1,12 +1,15 @@
-"""Atomic checkpoints of the drafter ranks, and exact resume.
+"""Asynchronous, atomic checkpoints of the drafter ranks, and exact resume.
 
 Layout under <output_dir>/checkpoints/:
   step_<N>/            DeepSpeed engine files (weights, ZeRO-sharded optimizer, LR schedule),
                        rng_rank<r>.pt per drafter rank, trainer_state.json (written LAST)
-  latest               the newest complete step directory's name, replaced atomically
-A step directory without trainer_state.json was cut off by a crash and is never resumed from.
-Target ranks hold no training state and take no part in a save: a resumed run simply asks them
-for the remaining batches.
+  .step_<N>.tmp/       a save in progress; never resumed from, cleared by the next save
+A save pauses the step loop only while DeepSpeed hands its state dicts over: they are copied to
+host memory (HostSnapshots) instead of being written. A writer thread then writes and flushes
+every file and marks this rank done; drafter rank 0's writer waits for every rank's mark,
+writes trainer_state.json, renames the folder to step_<N> and keeps the newest --keep-checkpoints.
+At most one save is in flight: the next one (or the end of the run) waits for it, and raises
+its error there. Target ranks hold no training state and take no part.
 """
 
 from __future__ import annotations
@@ -14,47 +17,81 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
+import shutil
+import threading
+import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
+from dflash.files import fsync_dir, replace_dir, storage_error, write_text_durably
+
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
-LATEST_FILE = "latest"
+PEERS_TIMEOUT_S = 3600.0  # rank 0 waits this long for the other ranks' files of one save
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or committed; the message says where and what to do."""
 
 
 def checkpoint_dir(output_dir: str | Path) -> Path:
     return Path(output_dir) / "checkpoints"
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def _to_host(obj: Any) -> Any:
+    """A copy of a state dict whose tensors live in host memory (training goes on in place)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return type(obj)((key, _to_host(value)) for key, value in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_host(value) for value in obj)
+    return obj
 
 
-def save_checkpoint(engine, output_dir: str | Path, step: int, trainer_state: dict, drafter_rank: int,
-                    group) -> Path:
-    """Collective over the drafter group. The engine files and every rank's RNG state land
-    first; only then does drafter rank 0 mark the directory complete and point `latest` at it."""
-    root = checkpoint_dir(output_dir)
-    tag = f"step_{step}"
-    with barriers_within(group):
-        engine.save_checkpoint(str(root), tag=tag, save_latest=False)
-    torch.save({"cpu": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
-               root / tag / f"rng_rank{drafter_rank}.pt")
-    dist.barrier(group=group)
-    if drafter_rank == 0:
-        _write_atomically(root / tag / STATE_FILE, json.dumps(trainer_state, indent=2) + "\n")
-        _write_atomically(root / LATEST_FILE, tag + "\n")
-        logger.info("checkpoint %s saved", root / tag)
-    dist.barrier(group=group)
-    return root / tag
+class SnapshotCheckpointEngine:
+    """Takes the place of DeepSpeed's checkpoint engine (same methods): save() keeps a host
+    copy of each file's state instead of writing it; take() hands the copies to the writer."""
+
+    name = "SnapshotCheckpointEngine"
+
+    def __init__(self) -> None:
+        self._files: list[tuple[Path, Any]] = []
+
+    def save(self, state_dict, path: str) -> None:
+        self._files.append((Path(path), _to_host(state_dict)))
+
+    def take(self) -> list[tuple[Path, Any]]:
+        files, self._files = self._files, []
+        return files
+
+    def load(self, path: str, map_location=None):
+        return torch.load(path, map_location=map_location, weights_only=False)
+
+    def makedirs(self, path, exist_ok: bool = False) -> None:
+        Path(path).mkdir(parents=True, exist_ok=exist_ok)
+
+    def create(self, info) -> None:
+        pass
+
+    def commit(self, info) -> bool:
+        return True
+
+    def is_data_parallel_writer(self, dp_rank: int) -> bool:
+        return dp_rank == 0
+
+    def is_decoupled(self) -> bool:
+        return False
+
+    def preserves_storage_sharing(self) -> bool:
+        return True
+
+    def cleanup(self) -> None:
+        pass
 
 
 @contextlib.contextmanager
@@ -75,20 +112,121 @@ def barriers_within(group) -> Iterator[None]:
         ds_comm.barrier = original
 
 
+class Checkpointer:
+    """Every `every` optimizer steps (maybe_save), an asynchronous save of the drafter ranks.
+    Collective over the drafter group: every drafter rank calls maybe_save at the same steps."""
+
+    def __init__(self, engine, output_dir: str | Path, every: int, keep: int, drafter_rank: int,
+                 num_drafters: int, group) -> None:
+        self.engine, self.root = engine, checkpoint_dir(output_dir)
+        self.every, self.keep, self.rank, self.num_drafters, self.group = every, keep, drafter_rank, num_drafters, group
+        self._snapshots = SnapshotCheckpointEngine()
+        engine.checkpoint_engine = self._snapshots
+        self._writer: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.pauses_s: list[float] = []  # how long each save held the step loop
+
+    def maybe_save(self, step: int, trainer_state: dict) -> None:
+        if self.every > 0 and step % self.every == 0:
+            self.save(step, trainer_state)
+
+    def save(self, step: int, trainer_state: dict) -> None:
+        started = time.perf_counter()
+        self.wait()
+        if not self._weights_finite():
+            logger.error("step %d: the drafter's weights hold NaN/inf; not saving them (the checkpoint before "
+                         "stays the newest)", step)
+            return
+        staging = self.root / f".step_{step}.tmp"
+        if self.rank == 0:
+            self._clear_unfinished()
+        dist.barrier(group=self.group)
+        with barriers_within(self.group):
+            self.engine.save_checkpoint(str(self.root), tag=staging.name, save_latest=False)
+        files = self._snapshots.take()
+        files.append((staging / f"rng_rank{self.rank}.pt", _rng_state()))
+        self._writer = threading.Thread(target=self._write, args=(step, staging, files, dict(trainer_state)),
+                                        name=f"checkpoint-step-{step}", daemon=True)
+        self._writer.start()
+        self.pauses_s.append(time.perf_counter() - started)
+
+    def wait(self) -> None:
+        """Until the save in flight is committed (on rank 0) or written (others); raises its error."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointError(str(error)) from error
+
+    def _weights_finite(self) -> bool:
+        finite = all(bool(torch.isfinite(p).all()) for p in self.engine.module.parameters())
+        flag = torch.tensor([1.0 if finite else 0.0], device=next(self.engine.module.parameters()).device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item() > 0)
+
+    def _clear_unfinished(self) -> None:
+        for stale in self.root.glob(".step_*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+    def _write(self, step: int, staging: Path, files: list[tuple[Path, Any]], trainer_state: dict) -> None:
+        intact = f"the newest complete checkpoint ({latest_checkpoint(self.root.parent) or 'none yet'}) is intact"
+        path = staging
+        try:
+            for path, state in files:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                torch.save(state, path)
+            path = staging / f".done_rank{self.rank}"
+            path.write_text("")
+            if self.rank == 0:
+                self._commit(step, staging, trainer_state)
+        except OSError as err:
+            self._error = storage_error(err, path, intact)
+        except BaseException as err:  # handed to the step loop, which raises it at the next wait()
+            self._error = err
+
+    def _commit(self, step: int, staging: Path, trainer_state: dict) -> None:
+        deadline = time.monotonic() + PEERS_TIMEOUT_S
+        marks = [staging / f".done_rank{r}" for r in range(self.num_drafters)]
+        while not all(mark.exists() for mark in marks):
+            if time.monotonic() > deadline:
+                missing = [r for r, mark in enumerate(marks) if not mark.exists()]
+                raise CheckpointError(f"step {step}: drafter ranks {missing} did not finish their part of the "
+                                      f"checkpoint in {PEERS_TIMEOUT_S:g} s; see their logs")
+            time.sleep(0.05)
+        for mark in marks:
+            mark.unlink()
+        write_text_durably(staging / STATE_FILE, json.dumps(trainer_state, indent=2) + "\n")
+        final = self.root / f"step_{step}"
+        replace_dir(staging, final)
+        logger.info("checkpoint %s saved", final)
+        for old in _complete_checkpoints(self.root)[:-self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        fsync_dir(self.root)
+
+
+def _rng_state() -> dict:
+    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+
+
+def _complete_checkpoints(root: Path) -> list[Path]:
+    """Complete step directories, oldest first."""
+    complete = [p for p in root.glob("step_*") if (p / STATE_FILE).is_file()]
+    return sorted(complete, key=lambda p: int(p.name.removeprefix("step_")))
+
+
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
     """The newest COMPLETE step directory, or None."""
-    root = checkpoint_dir(output_dir)
-    complete = [p for p in root.glob("step_*") if (p / STATE_FILE).is_file()]
-    if not complete:
-        return None
-    return max(complete, key=lambda p: int(p.name.removeprefix("step_")))
+    complete = _complete_checkpoints(checkpoint_dir(output_dir))
+    return complete[-1] if complete else None
 
 
 def load_checkpoint(engine, path: Path, drafter_rank: int) -> dict:
     """Restore engine, optimizer, LR schedule and this rank's RNG; return the trainer state."""
-    _, _ = engine.load_checkpoint(str(path.parent), tag=path.name)
+    engine.load_checkpoint(str(path.parent), tag=path.name)
     rng = torch.load(path / f"rng_rank{drafter_rank}.pt", weights_only=False)
     torch.set_rng_state(rng["cpu"])
     if rng["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
     return json.loads((path / STATE_FILE).read_text())
+

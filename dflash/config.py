@@ -72,6 +72,7 @@ class TrainArgs:
     log_every: int = 10
     spike_factor: float = field(default=3.0, metadata={"help": "skip a micro-batch whose loss exceeds this x the running mean (0: only NaN/inf)"})
     save_every: int = field(default=0, metadata={"help": "checkpoint every N optimizer steps (0: never)"})
+    keep_checkpoints: int = field(default=3, metadata={"help": "keep the newest N complete checkpoints"})
     resume: bool = field(default=False, metadata={"help": "continue from the newest complete checkpoint in --output-dir"})
     overwrite: bool = field(default=False, metadata={"help": "start afresh in an --output-dir that holds an earlier run (its metrics, checkpoints and drafters are deleted)"})
     report_to: str = field(default="wandb", metadata={"help": "wandb | none (metrics.jsonl is always written)"})
@@ -175,6 +176,7 @@ def validate(config: RunConfig) -> None:
              f"--target-ranks {t.target_ranks}: use colocated, auto, or a number of ranks")
     _require(t.spike_factor == 0 or t.spike_factor > 1, f"--spike-factor {t.spike_factor}: use 0 (NaN/inf only) or > 1")
     _require(t.save_every >= 0, f"--save-every {t.save_every}: use 0 (off) or a positive step count")
+    _require(t.keep_checkpoints >= 1, f"--keep-checkpoints {t.keep_checkpoints}: keep at least 1")
     _require(t.credits >= 1, f"--credits {t.credits}: need at least 1")
     _require(t.grad_accum >= 1, f"--grad-accum {t.grad_accum}: need at least 1")
     _require(t.report_to in ("wandb", "none"), f"--report-to {t.report_to}: use wandb or none")

@@ -14,9 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
-import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 import numpy as np
 import torch
+
+from dflash.files import replace_dir, staging_dir
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -353,13 +353,12 @@ def prepare_dataset(
         logger.info("reusing prepared data in %s (same source, tokenizer and settings)", out)
         return out
     _check_replaceable(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    staging = staging_dir(out)
     try:
         stats, lengths = _write_token_files(staging, source, tokenizer, max_length, overflow,
                                             on_bad_sample, max_bad_fraction)
         _write_index_and_manifest(staging, lengths, stats, settings)
-        _replace_dir(staging, out)
+        replace_dir(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -498,17 +497,6 @@ def _write_index_and_manifest(
     }
     # The manifest goes last: its presence marks a complete shard.
     (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-
-
-def _replace_dir(staging: Path, out: Path) -> None:
-    """Rename staging to out; an old out is moved aside first and deleted afterwards."""
-    if not out.exists():
-        os.rename(staging, out)
-        return
-    trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-    os.rename(out, trash / "old")
-    os.rename(staging, out)
-    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _read_manifest(shard_dir: Path) -> dict[str, Any]:

@@ -10,15 +10,14 @@ model.safetensors: top-level names (`layers.N.self_attn.q_proj.weight`, `fc.weig
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
+from dflash.files import replace_dir, staging_dir, storage_error
 from dflash.model import DFlashDrafter
 
 CONFIG_NAME = "config.json"
@@ -40,18 +39,26 @@ def exported_config(drafter: DFlashDrafter) -> dict:
 
 
 def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write config.json + model.safetensors atomically (a temp folder renamed into place)."""
+    """Write config.json + model.safetensors into a staging folder, then move it into place;
+    an earlier export stays until the new one is complete. Raises StorageError naming the path
+    when the disk is full or not writable."""
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     state = {name: tensor.detach().to("cpu", dtype).contiguous() for name, tensor in drafter.state_dict().items()}
-    save_file(state, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
     config = exported_config(drafter)
     config["dtype"] = str(dtype).removeprefix("torch.")
-    (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
+    intact = f"the earlier {out_dir} (if any) is intact"
+    try:
+        staging = staging_dir(out_dir)
+    except OSError as err:
+        raise storage_error(err, out_dir, intact) from err
+    try:
+        save_file(state, staging / WEIGHTS_NAME, metadata={"format": "pt"})
+        (staging / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        replace_dir(staging, out_dir)
+    except OSError as err:
+        raise storage_error(err, out_dir, intact) from err
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone already after a successful move
     return out_dir
 
 

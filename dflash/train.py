@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from dflash.attention import resolve_backend
-from dflash.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from dflash.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
 from dflash.config import REPO_ROOT, ConfigError, RunConfig, earlier_run_files
 from dflash.data import TokenDataset, load_tokenizer, prepare_dataset
 from dflash.distributed import RankInfo
@@ -257,6 +257,8 @@ def train_drafter_rank(config, ranks, topology, dcfg, dataset, source, data_grou
     metrics = MetricsLogger(out_dir, config.train.report_to, config.train.wandb_mode, _flat_config(config),
                             enabled=is_main)
     start_epoch = resume(config, engine, sampler, drafter_rank) if config.train.resume else 0
+    checkpointer = Checkpointer(engine, out_dir, config.train.save_every, config.train.keep_checkpoints, drafter_rank,
+                                len(topology.drafter_ranks), data_group)
     guard = SpikeGuard(config.train.spike_factor, group=data_group)
     window = WindowMetrics(dcfg.block_size)
     started = time.perf_counter()
@@ -294,15 +296,15 @@ def train_drafter_rank(config, ranks, topology, dcfg, dataset, source, data_grou
                 if is_main:
                     logger.info(progress_line(last, total_steps))
                 window.reset()
-            if boundary and config.train.save_every > 0 and engine.global_steps % config.train.save_every == 0:
+            if boundary:
                 sampler_state = {**sampler.state_dict(), "epoch": epoch, "position": batch_step + 1}
-                save_checkpoint(engine, out_dir, engine.global_steps, {"sampler": sampler_state},
-                                drafter_rank, data_group)
+                checkpointer.maybe_save(engine.global_steps, {"sampler": sampler_state})
             if engine.global_steps >= total_steps:
                 break
         if engine.global_steps >= total_steps:
             break
     source.close()
+    checkpointer.wait()
     routing = routing_report(source.served_by, topology, data_group)
     if is_main and routing:
         logger.info("%s", routing)
