@@ -13,6 +13,7 @@ from pathlib import Path
 
 from transformers import HfArgumentParser
 
+from dflash.data import load_chat_jsonl
 from dflash.demo import DEMO_HELDOUT_DATA, DEMO_TARGET_DIR, DEMO_TRAIN_DATA
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -161,6 +162,8 @@ def validate(config: RunConfig) -> None:
     _require(Path(d.train_data).is_file(), f"--train-data {d.train_data}: no such file; pass a chat JSONL file")
     if d.eval_data is not None:
         _require(Path(d.eval_data).is_file(), f"--eval-data {d.eval_data}: no such file")
+        if t.eval_prompts > 0:  # read now: a bad file found after a day of training costs the day's eval
+            load_chat_jsonl(d.eval_data)
     _require(d.overflow in ("truncate", "drop"), f"--overflow {d.overflow}: use truncate or drop")
     _require(d.on_bad_sample in ("skip", "error"), f"--on-bad-sample {d.on_bad_sample}: use skip or error")
     _require(0 <= d.max_bad_fraction <= 1, f"--max-bad-fraction {d.max_bad_fraction}: use a fraction in [0, 1]")

@@ -48,7 +48,7 @@ def _fill_single_process_env() -> None:
 def pick_device(requested: str, local_rank: int) -> torch.device:
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            raise RuntimeError("--device cuda: no CUDA device is visible; use --device cpu")
+            raise ValueError("--device cuda: no CUDA device is visible; use --device cpu")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")

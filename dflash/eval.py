@@ -22,15 +22,15 @@ import torch
 from transformers import HfArgumentParser
 
 from dflash.attention import BlockLayout, resolve_backend
-from dflash.data import load_chat_jsonl, load_tokenizer, prompt_ids
+from dflash.data import DataError, load_chat_jsonl, load_tokenizer, prompt_ids
 from dflash.demo import DEMO_HELDOUT_DATA, DEMO_TARGET_DIR
 from dflash.distributed import pick_device, setup_logging
 from dflash.drafter_step import DrafterStep, StepSettings
-from dflash.export import load_drafter
+from dflash.export import DrafterLoadError, load_drafter
 from dflash.model import DFlashDrafter
 from dflash.objective import anchor_candidates, expected_acceptance_length, slot_weights
 from dflash.speculative import greedy_decode, speculative_decode
-from dflash.target import FrozenTarget
+from dflash.target import FrozenTarget, TargetError
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +152,13 @@ def evaluate(target: FrozenTarget, drafter: DFlashDrafter, prompts: list[list[in
 
 def load_prompts(path: str, tokenizer, limit: int) -> list[list[int]]:
     conversations = load_chat_jsonl(path)[:limit]
-    return [prompt_ids(tokenizer, messages) for messages in conversations]
+    prompts = []
+    for number, messages in enumerate(conversations, start=1):
+        try:
+            prompts.append(prompt_ids(tokenizer, messages))
+        except DataError as err:
+            raise DataError(f"{path}: conversation {number}: {err}") from err
+    return prompts
 
 
 def evaluate_drafters(
@@ -161,12 +167,12 @@ def evaluate_drafters(
 ) -> dict[str, EvalReport]:
     """Load the target once and judge each named drafter folder on the same prompts."""
     tokenizer = load_tokenizer(tokenizer_path)
+    prompts = load_prompts(prompts_path, tokenizer, num_prompts)  # cheap checks before the target loads
     loaded = {name: load_drafter(path) for name, path in drafters.items()}
     layer_ids = {tuple(d.config.dflash_config["target_layer_ids"]) for d in loaded.values()}
     if len(layer_ids) != 1:
-        raise ValueError(f"drafters {list(drafters)} read different target layers {sorted(layer_ids)}")
+        raise DrafterLoadError(f"drafters {list(drafters)} read different target layers {sorted(layer_ids)}")
     target = FrozenTarget.load(target_path, list(layer_ids.pop()), dtype, device)
-    prompts = load_prompts(prompts_path, tokenizer, num_prompts)
     eos = eos_token_ids(tokenizer, target)
     reports = {}
     for name, drafter in loaded.items():
@@ -200,14 +206,24 @@ def write_reports(reports: dict[str, EvalReport], path: str | Path) -> None:
                                      indent=2) + "\n")
 
 
+EVAL_ERRORS = (DataError, DrafterLoadError, TargetError, ValueError)
+
+
 def main(argv: list[str] | None = None) -> int:
     (args,) = HfArgumentParser(EvalArgs).parse_args_into_dataclasses(argv)
     setup_logging(0)
-    device = pick_device(args.device, 0)
-    reports = evaluate_drafters(
-        args.target, args.tokenizer or args.target, {"drafter": args.drafter}, args.prompts,
-        args.num_prompts, args.max_new_tokens, device, eval_dtype(args.dtype),
-    )
+    try:
+        if args.num_prompts < 1 or args.max_new_tokens < 1:
+            raise ValueError(f"--num-prompts {args.num_prompts} and --max-new-tokens {args.max_new_tokens}: "
+                             "use at least 1 of each")
+        device = pick_device(args.device, 0)
+        reports = evaluate_drafters(
+            args.target, args.tokenizer or args.target, {"drafter": args.drafter}, args.prompts,
+            args.num_prompts, args.max_new_tokens, device, eval_dtype(args.dtype),
+        )
+    except EVAL_ERRORS as err:  # a user's mistake: one line, no traceback
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if args.output:
         write_reports(reports, args.output)
     return 0 if check_lossless(reports) else 1

@@ -62,23 +62,40 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dty
     return out_dir
 
 
+class DrafterLoadError(ValueError):
+    """An exported drafter folder that cannot be loaded; the message names the file."""
+
+
 def load_drafter(path: str | Path, dtype: torch.dtype | None = None) -> DFlashDrafter:
     """Load an exported drafter folder (ours or any with the same names)."""
     path = Path(path)
     config_file = path / CONFIG_NAME
     if not config_file.is_file():
-        raise FileNotFoundError(f"--drafter {path}: no {CONFIG_NAME}; pass a folder written by the export step")
-    raw = json.loads(config_file.read_text())
+        raise DrafterLoadError(f"--drafter {path}: no {CONFIG_NAME}; pass a folder written by the export step")
+    try:
+        raw = json.loads(config_file.read_text())
+    except (OSError, ValueError) as err:
+        raise DrafterLoadError(f"{config_file}: not readable JSON ({err}); export the drafter again") from err
     missing = [name for name in DFLASH_FIELDS if name not in raw]
     if missing:
-        raise ValueError(f"{config_file}: not a DFlash drafter config (missing {missing})")
+        raise DrafterLoadError(f"{config_file}: not a DFlash drafter config (missing {missing})")
     extras = {name: raw.pop(name) for name in DFLASH_FIELDS}
     for legacy in ("rope_theta", "rope_scaling"):
         raw.pop(legacy, None)
-    config = Qwen3Config(**raw)
-    for name, value in extras.items():
-        setattr(config, name, value)
-    drafter = DFlashDrafter(config)
-    state = load_file(path / WEIGHTS_NAME)
-    drafter.load_state_dict(state, strict=True)
+    try:
+        config = Qwen3Config(**raw)
+        for name, value in extras.items():
+            setattr(config, name, value)
+        drafter = DFlashDrafter(config)
+    except Exception as err:
+        raise DrafterLoadError(f"{config_file}: cannot build a drafter from it ({err})") from err
+    weights = path / WEIGHTS_NAME
+    try:
+        state = load_file(weights)
+    except Exception as err:  # missing, truncated or corrupt file
+        raise DrafterLoadError(f"{weights}: cannot read the weights ({err}); export the drafter again") from err
+    try:
+        drafter.load_state_dict(state, strict=True)
+    except RuntimeError as err:
+        raise DrafterLoadError(f"{weights}: the weights do not fit {CONFIG_NAME} ({err})") from err
     return drafter.to(dtype) if dtype is not None else drafter

@@ -86,8 +86,9 @@ class FrozenTarget:
     def load(cls, path: str, layer_ids: list[int], dtype: torch.dtype, device: torch.device) -> "FrozenTarget":
         try:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        except (OSError, ValueError) as err:
-            raise TargetError(f"--target {path}: cannot load a causal LM ({err})") from err
+        except Exception as err:  # transformers and safetensors raise many kinds for a bad folder
+            raise TargetError(f"--target {path}: cannot load a causal LM ({type(err).__name__}: {err}); "
+                              f"{_weights_hint(Path(path))}") from err
         return cls(model.to(device), layer_ids)
 
     @staticmethod
@@ -200,6 +201,19 @@ def resolve_mask_token_id(tokenizer, target_config, requested: int | None) -> in
     )
 
 
+def _weights_hint(folder: Path) -> str:
+    """Which weight file is unreadable, when one is: the usual cause is an interrupted copy."""
+    from safetensors import safe_open
+
+    for file in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), "pt") as f:
+                f.keys()
+        except Exception:
+            return f"{file} is truncated or corrupt: copy it again"
+    return "check that the folder holds a complete HF causal-LM checkpoint"
+
+
 def _read_safetensors(folder: Path, wanted: set[str]) -> dict[str, torch.Tensor]:
     """The named tensors from a (possibly sharded) safetensors checkpoint."""
     from safetensors import safe_open
@@ -209,9 +223,13 @@ def _read_safetensors(folder: Path, wanted: set[str]) -> dict[str, torch.Tensor]
         raise TargetError(f"--target {folder}: no *.safetensors weights found")
     found: dict[str, torch.Tensor] = {}
     for file in files:
-        with safe_open(str(file), "pt") as f:
-            for name in wanted & set(f.keys()):
-                found[name] = f.get_tensor(name)
+        try:
+            with safe_open(str(file), "pt") as f:
+                for name in wanted & set(f.keys()):
+                    found[name] = f.get_tensor(name)
+        except Exception as err:  # safetensors' own error type for a truncated or corrupt file
+            raise TargetError(f"--target {folder}: cannot read {file.name} ({err}); the file is truncated or "
+                              "corrupt: copy it again") from err
     if not found:
         raise TargetError(f"--target {folder}: none of {sorted(wanted)} in its safetensors files")
     return found

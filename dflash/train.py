@@ -275,9 +275,9 @@ def train_drafter_rank(config, ranks, topology, dcfg, dataset, source, data_grou
                 noise = feature_noise_std(engine.global_steps, total_steps, config.train.feature_noise_std)
                 out = step.loss(blocks, batch.target, noise_std=noise)
             if guard.should_skip(out.loss, track=batch is not None):
-                logger.warning("skipped the micro-batch of step %d, epoch %d: loss %.4g vs running mean %s "
+                logger.warning("skipped the micro-batch of step %d, epoch %d: loss %.4g vs recent median %s "
                                "(%d skipped so far)", batch_step, epoch + 1, float(out.loss.detach()),
-                               f"{guard.mean:.4g}" if guard.mean is not None else "n/a", guard.skipped)
+                               f"{guard.reference:.4g}" if guard.reference is not None else "n/a", guard.skipped)
                 continue
             before = engine.global_steps
             engine.backward(out.loss)

@@ -4,6 +4,7 @@ before any model is loaded."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import train_drafter
 from conftest import tiny_causal_lm
@@ -100,3 +101,51 @@ def test_an_output_dir_with_an_earlier_run_needs_resume_or_overwrite(capsys, pat
     (out / "metrics.jsonl").write_text("{}\n")
     fails_with(capsys, ["--target", paths["target"], "--train-data", paths["data"], "--output-dir", str(out)],
                f"--output-dir {out} holds an earlier run (metrics.jsonl, checkpoints)", "--resume", "--overwrite")
+
+
+def test_a_bad_eval_file_is_refused_before_training(capsys, paths):
+    bad = paths["tmp"] / "heldout.jsonl"
+    bad.write_text('{"prompt": "hi", "response": "x"}\n{oops\n')
+    fails_with(capsys, ["--target", paths["target"], "--train-data", paths["data"], "--eval-data", str(bad)],
+               f"{bad}:2: malformed JSON")
+
+
+def eval_fails_with(capsys, argv: list[str], *fragments: str) -> None:
+    from dflash import eval as dflash_eval
+
+    assert dflash_eval.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err, err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+def test_eval_answers_bad_prompts_and_bad_drafter_folders_in_one_line(capsys, tmp_path):
+    from conftest import tiny_drafter, tiny_target
+    from dflash.export import WEIGHTS_NAME, export_drafter
+
+    bad_prompts = tmp_path / "prompts.jsonl"
+    bad_prompts.write_text('{"messages": [{"role": "robot", "content": "x"}]}\n')
+    eval_fails_with(capsys, ["--prompts", str(bad_prompts)], f"{bad_prompts}:1: messages[0]: unknown role 'robot'")
+    no_drafter = tmp_path / "nothing"
+    no_drafter.mkdir()
+    eval_fails_with(capsys, ["--drafter", str(no_drafter)], f"--drafter {no_drafter}: no config.json")
+    drafter = export_drafter(tiny_drafter(tiny_target("qwen3", dtype=torch.float32)).float(), tmp_path / "drafter")
+    weights = drafter / WEIGHTS_NAME
+    weights.write_bytes(weights.read_bytes()[:100])  # an interrupted copy
+    eval_fails_with(capsys, ["--drafter", str(drafter)], f"{weights}: cannot read the weights")
+    eval_fails_with(capsys, ["--dtype", "float16"], "--dtype float16: use float32 or bfloat16")
+
+
+def test_a_truncated_target_weight_file_is_named(tmp_path):
+    from conftest import tiny_causal_lm
+    from dflash.target import FrozenTarget
+
+    folder = tmp_path / "target"
+    tiny_causal_lm().save_pretrained(folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(TargetError, match=f"{weights} is truncated or corrupt: copy it again"):
+        FrozenTarget.load(str(folder), [1, 2], torch.float32, torch.device("cpu"))
+    with pytest.raises(TargetError, match="model.safetensors.*truncated or corrupt"):
+        FrozenTarget.load_embedding_and_head(str(folder), torch.float32, torch.device("cpu"))
