@@ -279,9 +279,12 @@ def train_drafter_rank(config, ranks, topology, dcfg, dataset, source, data_grou
                                "(%d skipped so far)", batch_step, epoch + 1, float(out.loss.detach()),
                                f"{guard.reference:.4g}" if guard.reference is not None else "n/a", guard.skipped)
                 continue
-            before = engine.global_steps
+            before, skipped_before = engine.global_steps, engine.skipped_steps
             engine.backward(out.loss)
-            engine.step()
+            engine.step()  # ZeRO skips the update itself when the gradient norm is not finite
+            if engine.skipped_steps != skipped_before and is_main:
+                logger.warning("optimizer step %d skipped: the gradient norm was not finite (%d skipped so far)",
+                               engine.global_steps, engine.skipped_steps)
             window.add(out, tokens=int(dataset.lengths[indices].sum()) if indices else 0)
             boundary = engine.global_steps != before
             if boundary and (engine.global_steps % config.train.log_every == 0 or engine.global_steps >= total_steps):
@@ -291,7 +294,7 @@ def train_drafter_rank(config, ranks, topology, dcfg, dataset, source, data_grou
                             lr=scheduler.get_last_lr()[0], elapsed_s=time.perf_counter() - started,
                             queue_depths=source.queue_depths(), world_size=ranks.world_size,
                             drafter_ranks=len(topology.drafter_ranks),
-                            skipped_micro_batches=guard.skipped)
+                            skipped_micro_batches=guard.skipped, skipped_steps=engine.skipped_steps)
                 metrics.log(last)
                 if is_main:
                     logger.info(progress_line(last, total_steps))

@@ -502,3 +502,10 @@ def test_overlong_content_is_cut_by_characters_without_changing_the_kept_tokens(
     ids, mask = tokenize_conversation(tokenizer, messages, max_chars=64 * data.MAX_CHARS_PER_TOKEN)
     assert len(ids) < len(full_ids)
     assert np.array_equal(ids[:64], full_ids[:64]) and np.array_equal(mask[:64], full_mask[:64])
+
+
+def test_a_nul_byte_in_a_line_is_a_malformed_sample(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(GOOD.encode() + b'\n{"prompt": "a\x00b", "response": "c"}\n')
+    with pytest.raises(DataError, match=f"{path}:2: malformed JSON"):
+        load_chat_jsonl(path)

@@ -47,3 +47,25 @@ def test_ranks_without_samples_vote_without_moving_the_reference():
     feed(guard, [4.0])
     assert guard.should_skip(torch.tensor(0.0), track=False) is False
     assert guard.reference == 4.0 and guard.accepted == 1
+
+
+def test_a_non_finite_gradient_behind_a_finite_loss_is_skipped_by_the_engine():
+    """The loss guard cannot see it; DeepSpeed's ZeRO 1/2 step checks the gradient norm and skips
+    the update. Pinned here because the training loop relies on it (and counts skipped_steps)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO, free_port
+
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}", "DS_ACCELERATOR": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(free_port()),
+         str(REPO / "tests" / "nonfinite_grad_worker.py")], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    for stage in ("1", "2"):
+        assert report[stage] == {"loss_finite": True, "weights_moved": False, "moments_moved": False,
+                                 "lr_moved": False, "skipped_steps": 1}, (stage, report[stage])
