@@ -2,7 +2,8 @@
 
 config.json: a Qwen3 config (num_hidden_layers = drafter layers) plus
   architectures ["DFlashDraftModel"], block_size, num_target_layers,
-  dflash_config {mask_token_id, target_layer_ids}.
+  dflash_config {mask_token_id, target_layer_ids}, and eagle_aux_hidden_state_layer_ids
+  (target_layer_ids + 1, the form vLLM takes as is).
 model.safetensors: top-level names (`layers.N.self_attn.q_proj.weight`, `fc.weight`,
   `hidden_norm.weight`, `norm.weight`, ...); no embedding, no lm_head (they are the target's).
 """
@@ -32,6 +33,9 @@ def exported_config(drafter: DFlashDrafter) -> dict:
     config["rope_theta"] = rope.get("rope_theta", 10000.0)
     config["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else rope
     config["layer_types"] = ["full_attention"] * drafter.config.num_hidden_layers
+    # vLLM reads this key as is (older builds read only it) and otherwise adds 1 to
+    # dflash_config.target_layer_ids: both say "the output of target layer i" = hidden_states[i + 1]
+    config["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in drafter.config.dflash_config["target_layer_ids"]]
     config["architectures"] = ["DFlashDraftModel"]
     config["model_type"] = "qwen3"
     config["dtype"] = str(next(drafter.parameters()).dtype).removeprefix("torch.")
@@ -80,7 +84,7 @@ def load_drafter(path: str | Path, dtype: torch.dtype | None = None) -> DFlashDr
     if missing:
         raise DrafterLoadError(f"{config_file}: not a DFlash drafter config (missing {missing})")
     extras = {name: raw.pop(name) for name in DFLASH_FIELDS}
-    for legacy in ("rope_theta", "rope_scaling"):
+    for legacy in ("rope_theta", "rope_scaling", "eagle_aux_hidden_state_layer_ids"):  # derived on export
         raw.pop(legacy, None)
     try:
         config = Qwen3Config(**raw)
