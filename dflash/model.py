@@ -25,6 +25,15 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 from dflash.attention import attend
 
 
+def full_attention_rope(text_config) -> dict:
+    """The target's RoPE for full-attention layers (drafter layers are full attention). Targets
+    with per-layer-type RoPE (Gemma 3: sliding and full layers differ) nest it by layer type."""
+    rope = getattr(text_config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
+    if isinstance(rope.get("full_attention"), dict):
+        rope = rope["full_attention"]
+    return dict(rope)
+
+
 def drafter_config(
     target_config,
     num_layers: int,
@@ -47,7 +56,7 @@ def drafter_config(
         head_dim=head_dim,
         rms_norm_eps=getattr(text_config, "rms_norm_eps", 1e-6),
         max_position_embeddings=text_config.max_position_embeddings,
-        rope_parameters=dict(getattr(text_config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}),
+        rope_parameters=full_attention_rope(text_config),
         attention_bias=False,
         tie_word_embeddings=False,
     )

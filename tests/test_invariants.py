@@ -142,3 +142,17 @@ def test_training_forward_equals_cached_inference(arch, chunks):
     block_ids[0, 0] = ids[0, anchor]
     hidden = step.drafter.draft(cache, target.embed_tokens(block_ids), torch.arange(anchor, anchor + BLOCK)[None])
     torch.testing.assert_close(step.lm_head(hidden)[0], logits[n], rtol=1e-9, atol=1e-9)
+
+
+def test_a_target_with_rope_per_layer_type_gives_the_drafter_its_full_attention_rope():
+    """Gemma 3 nests rope_parameters by layer type; drafter layers are full attention."""
+    from transformers import Gemma3TextConfig
+
+    from dflash.model import DFlashDrafter, drafter_config
+
+    target = Gemma3TextConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    config = drafter_config(target, 1, [1, 3], 4, 96)
+    assert config.rope_parameters["rope_theta"] == target.rope_parameters["full_attention"]["rope_theta"]
+    drafter = DFlashDrafter(config)
+    assert sum(p.numel() for p in drafter.parameters()) > 0
