@@ -34,10 +34,11 @@ class DecodeResult:
 
 
 def _new_cache(target: FrozenTarget):
-    try:
-        return DynamicCache(config=target.model.config)
-    except TypeError:  # older transformers take no config
-        return DynamicCache()
+    """A cache whose every layer keeps all positions, so it can be cropped after a rejected
+    draft. Given the model config, transformers would build sliding-window layers for targets
+    that have them (Mistral, Gemma 2/3), and those cannot be cropped; attention masks still
+    apply the window, since they come from the config, not from the cache."""
+    return DynamicCache()
 
 
 def _sync(device: torch.device) -> None:
