@@ -68,7 +68,7 @@ class DrafterClient:
         try:
             self._handshake()
         except TransportError:
-            close_links(self._links)
+            close_links(self._links, clean=False)
             raise
         self._watchdog = Watchdog(rank, "drafter", self._links, spec.timeout_s, spec.watchdog_grace_s)
 
@@ -116,8 +116,11 @@ class DrafterClient:
         try:
             if not self._failed:
                 self._stop_all()
+        except TransportError:
+            self._failed = True
+            raise
         finally:
-            close_links(self._links)
+            close_links(self._links, clean=not self._failed)
 
     def _guarded(self, fn: Callable, *args):
         try:

@@ -61,13 +61,18 @@ class _Watcher:
 
     def __init__(self, name: str) -> None:
         self._ops: queue.SimpleQueue[Op | None] = queue.SimpleQueue()
-        threading.Thread(target=self._run, name=name, daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
 
     def watch(self, op: Op) -> None:
         self._ops.put(op)
 
-    def close(self) -> None:
+    def close(self, wait_s: float) -> None:
+        """Stop after the ops already handed over; wait up to `wait_s` for that, so no thread is
+        still inside a transfer when the process group is torn down (a peer that is gone can
+        hold one: then the thread is left behind, a daemon)."""
         self._ops.put(None)
+        self._thread.join(wait_s)
 
     def _run(self) -> None:
         while (op := self._ops.get()) is not None:
@@ -236,9 +241,9 @@ class Link:
     def dead_hint(self) -> str:
         return f"Check rank {self.peer}'s log: it probably crashed or exited without closing."
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 5.0) -> None:
         for watcher in (*self._control_watchers, *(self._data_watchers or ())):
-            watcher.close()
+            watcher.close(wait_s)
 
 
 class Watchdog:
@@ -253,19 +258,20 @@ class Watchdog:
     def __init__(self, rank: int, role: str, links: dict[int, Link], timeout_s: float, grace_s: float) -> None:
         self.rank, self.role, self._links = rank, role, links
         self.timeout_s, self.grace_s = timeout_s, grace_s
-        self._armed = threading.Event()
-        self._armed.set()
-        threading.Thread(target=self._run, name="transport-watchdog", daemon=True).start()
+        self._disarmed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="transport-watchdog", daemon=True)
+        self._thread.start()
 
     def disarm(self) -> None:
-        self._armed.clear()
+        self._disarmed.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(5.0)
 
     def _run(self) -> None:
-        while self._armed.is_set():
-            time.sleep(1.0)
+        while not self._disarmed.wait(1.0):
             for link in list(self._links.values()):
                 problem = link.stalled(self.timeout_s, self.grace_s)
-                if problem and self._armed.is_set():
+                if problem and not self._disarmed.is_set():
                     self._exit(problem)
 
     def _exit(self, problem: str) -> None:
@@ -285,9 +291,11 @@ def open_links(rank: int, role: str, peers: list[int], groups: PairGroups, devic
     return {p: Link(rank, role, p, groups[(rank, p) if role == "drafter" else (p, rank)], device) for p in peers}
 
 
-def close_links(links: dict[int, Link]) -> None:
+def close_links(links: dict[int, Link], clean: bool) -> None:
+    """After a clean end, wait (briefly) for the watcher threads to finish; after a failure do not
+    wait: a watcher may be stuck on the peer that failed."""
     for link in links.values():
-        link.close()
+        link.close(5.0 if clean else 0.0)
 
 
 def check_hello(link: Link, mine: list[int], theirs: list[int]) -> None:

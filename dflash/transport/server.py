@@ -97,7 +97,7 @@ class TargetServer:
         try:
             self._handshake()
         except TransportError:
-            close_links(self._links)
+            close_links(self._links, clean=False)
             raise
 
     def serve(self) -> ServeStats:
@@ -106,7 +106,7 @@ class TargetServer:
         stats = ServeStats({d: 0 for d in self.drafters})
         state = _ServeState({d: self._post_header(d, "the first request") for d in self.drafters},
                             sends={d: deque() for d in self.drafters}, live=set(self.drafters))
-        last_seen = time.monotonic()
+        last_seen, clean = time.monotonic(), False
         watchdog = Watchdog(self.rank, "target", self._links, self.spec.timeout_s, self.spec.watchdog_grace_s)
         try:
             while state.live or state.arrivals:
@@ -128,9 +128,10 @@ class TargetServer:
                     time.sleep(POLL_S)
                     stats.idle_s += time.monotonic() - now
             self._reap(state, stats, wait=True)
+            clean = True
         finally:
             watchdog.disarm()
-            close_links(self._links)
+            close_links(self._links, clean)
         logger.info("target rank %d served %s requests, busy %.1f s, idle %.1f s, %.1f MB sent",
                     self.rank, stats.requests, stats.busy_s, stats.idle_s, stats.bytes_sent / 1e6)
         return stats
