@@ -160,8 +160,9 @@ class Checkpointer:
             raise CheckpointError(str(error)) from error
 
     def _weights_finite(self) -> bool:
-        finite = all(bool(torch.isfinite(p).all()) for p in self.engine.module.parameters())
-        flag = torch.tensor([1.0 if finite else 0.0], device=next(self.engine.module.parameters()).device)
+        params = list(self.engine.module.parameters())
+        # one device-side reduction and one host read, not one sync per parameter
+        flag = torch.stack([torch.isfinite(p).all() for p in params]).all().float().reshape(1)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         return bool(flag.item() > 0)
 
