@@ -34,6 +34,7 @@ class ModelArgs:
     block_size: int = field(default=16, metadata={"help": "B, tokens drafted per forward"})
     mask_token_id: int | None = field(default=None, metadata={"help": "default: tokenizer mask token, else first unused embedding row"})
     attention_backend: str = field(default="auto", metadata={"help": "auto | sdpa | flex"})
+    kernels: str = field(default="fast", metadata={"help": "fast (flex attention, fused lm_head loss, compiled layers on GPU) | naive (dense SDPA mask, full logits, eager: the reference the benchmark compares with)"})
 
 
 @dataclass
@@ -46,6 +47,7 @@ class DataArgs:
     max_bad_fraction: float = field(default=0.01, metadata={"help": "with skip: more bad samples than this fraction stops the run"})
     bucket_boundaries: list[int] = field(default_factory=lambda: list(DEFAULT_BUCKETS))
     max_tokens: int | None = field(default=None, metadata={"help": "padded tokens per micro-batch (recipe 8192, demo 2048)"})
+    max_draft_positions: int | None = field(default=None, metadata={"help": "padded draft positions (anchors x B) per micro-batch; default: from the memory model on a GPU, no limit on CPU; 0: no limit"})
 
 
 @dataclass
@@ -173,6 +175,11 @@ def validate(config: RunConfig) -> None:
     _require(t.max_anchors >= 1, f"--max-anchors {t.max_anchors}: need at least one anchor per sequence")
     _require(d.max_tokens >= d.max_length,
              f"--max-tokens {d.max_tokens}: a micro-batch must hold one full sequence (--max-length {d.max_length})")
+    _require(d.max_draft_positions is None or d.max_draft_positions == 0
+             or d.max_draft_positions >= t.max_anchors * m.block_size,
+             f"--max-draft-positions {d.max_draft_positions}: a micro-batch must hold one sequence's "
+             f"--max-anchors x --block-size = {t.max_anchors * m.block_size} (or 0: no limit)")
+    _require(m.kernels in ("fast", "naive"), f"--kernels {m.kernels}: use fast or naive")
     _require(d.bucket_boundaries == sorted(d.bucket_boundaries) and len(d.bucket_boundaries) >= 1,
              f"--bucket-boundaries {d.bucket_boundaries}: must be ascending")
     _require(t.target_ranks in ("colocated", "auto") or t.target_ranks.isdigit(),

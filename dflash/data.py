@@ -357,7 +357,7 @@ def prepare_dataset(
     try:
         stats, lengths = _write_token_files(staging, source, tokenizer, max_length, overflow,
                                             on_bad_sample, max_bad_fraction)
-        _write_index_and_manifest(staging, lengths, stats, settings)
+        write_index_and_manifest(staging, lengths, stats, settings)
         replace_dir(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -481,7 +481,7 @@ def _log_overflow(stats: PrepareStats, max_length: int, overflow: str) -> None:
         )
 
 
-def _write_index_and_manifest(
+def write_index_and_manifest(
     staging: Path, lengths: list[int], stats: PrepareStats, settings: dict[str, Any]
 ) -> None:
     lengths_arr = np.asarray(lengths, dtype=np.int64)
@@ -569,6 +569,27 @@ class TokenDataset:
     @property
     def lengths(self) -> np.ndarray:
         return self._lengths
+
+    def anchor_candidates(self, chunk_tokens: int = 1 << 26) -> np.ndarray:
+        """Per sample, how many positions could anchor a block (loss mask at a and a+1, as
+        `objective.anchor_candidates`), read in chunks of whole samples so a corpus of billions
+        of tokens needs no more memory than a chunk."""
+        counts = np.zeros(len(self), dtype=np.int64)
+        ends = self._offsets + self._lengths
+        first = 0
+        while first < len(self):
+            start = int(self._offsets[first])
+            last = int(np.searchsorted(ends, start + chunk_tokens, side="right"))
+            last = max(last, first + 1)
+            stop = int(ends[last - 1])
+            mask = np.asarray(self._mask[start:stop], dtype=bool)
+            pairs = np.concatenate([mask[:-1] & mask[1:], [False]]) if len(mask) else mask
+            # a pair across two samples is no candidate: the last token of each sample starts none
+            pairs[(ends[first:last] - 1 - start)[self._lengths[first:last] > 0]] = False
+            sums = np.concatenate([[0], np.cumsum(pairs, dtype=np.int64)])
+            counts[first:last] = sums[ends[first:last] - start] - sums[self._offsets[first:last] - start]
+            first = last
+        return counts
 
 
 # ---------------------------------------------------------------------------

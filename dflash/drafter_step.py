@@ -24,6 +24,7 @@ class StepSettings:
     attention_backend: str  # "sdpa" or "flex" (already resolved)
     kl_weight: float = 0.0
     lm_head_chunk: int = 4096
+    fused_loss: bool = True  # False: autograd keeps the logits (the naive reference)
 
 
 class DrafterStep:
@@ -66,6 +67,7 @@ class DrafterStep:
         return dflash_loss(
             hidden, blocks, self.lm_head, self.settings.slot_weights,
             teacher_hidden=teacher, kl_weight=self.settings.kl_weight, chunk_size=self.settings.lm_head_chunk,
+            fused=self.settings.fused_loss,
         )
 
     def empty_loss(self) -> LossOutput:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash.data import TokenDataset, collate
+from dflash.phases import PhaseClock
 from dflash.target import FrozenTarget, TargetOutputs
 from dflash.transport import DrafterClient
 
@@ -29,11 +30,15 @@ class DrafterBatch:
 
 
 def compute_features(target: FrozenTarget, dataset: TokenDataset, indices: list[int], pad_id: int,
-                     with_final_hidden: bool):
+                     with_final_hidden: bool, clock: PhaseClock | None = None):
     """Collate `indices` and run the frozen target: (input_ids, loss_mask, features, final_hidden)."""
     batch = collate(dataset, indices, pad_id)
     input_ids = batch["input_ids"].to(target.device)
+    if clock is not None:
+        clock.mark("data")
     out = target.features(input_ids, with_final_hidden=with_final_hidden)
+    if clock is not None:
+        clock.mark("target_forward")
     return input_ids, batch["loss_mask"].to(target.device), out.features, out.final_hidden
 
 
@@ -44,14 +49,16 @@ class LocalFeatures:
         self.target, self.dataset, self.pad_id = target, dataset, pad_id
         self.with_final_hidden = with_final_hidden
 
-    def batches(self, schedule: Iterator[tuple[int, list[int]]]) -> Iterator[tuple[int, list[int], DrafterBatch | None]]:
-        """(step, indices, batch) in schedule order; batch is None where this rank got no samples."""
+    def batches(self, schedule: Iterator[tuple[int, list[int]]],
+                clock: PhaseClock | None = None) -> Iterator[tuple[int, list[int], DrafterBatch | None]]:
+        """(step, indices, batch) in schedule order; batch is None where this rank got no samples.
+        `clock` is told where collation ends and the target forward ends."""
         for step, indices in schedule:
             if not indices:
                 yield step, indices, None
                 continue
             ids, mask, features, final = compute_features(
-                self.target, self.dataset, indices, self.pad_id, self.with_final_hidden)
+                self.target, self.dataset, indices, self.pad_id, self.with_final_hidden, clock)
             yield step, indices, DrafterBatch(ids, mask, TargetOutputs(features=features, final_hidden=final))
 
     def queue_depths(self) -> dict[int, int]:
@@ -73,8 +80,10 @@ class RemoteFeatures:
         self.device = device
         self.served_by: dict[int, int] = {}  # target rank -> micro-batches it computed for us
 
-    def batches(self, schedule: Iterator[tuple[int, list[int]]]) -> Iterator[tuple[int, list[int], DrafterBatch | None]]:
-        """(step, indices, batch) in schedule order; batch is None where this rank got no samples."""
+    def batches(self, schedule: Iterator[tuple[int, list[int]]],
+                clock: PhaseClock | None = None) -> Iterator[tuple[int, list[int], DrafterBatch | None]]:
+        """(step, indices, batch) in schedule order; batch is None where this rank got no samples.
+        `clock` is told when the features are here (the wait for them counts as data)."""
         pending: deque[tuple[int, list[int]]] = deque()  # requested or empty steps, in the drafter's order
         schedule = iter(schedule)
         exhausted = False
@@ -98,6 +107,8 @@ class RemoteFeatures:
             self.served_by[got.target_rank] = self.served_by.get(got.target_rank, 0) + 1
             target = TargetOutputs(features=got.features.to(self.device), final_hidden=(
                 got.final_hidden.to(self.device) if got.final_hidden is not None else None))
+            if clock is not None:
+                clock.mark("data")
             yield step, indices, DrafterBatch(got.input_ids.to(self.device), got.loss_mask.to(self.device), target)
 
     def queue_depths(self) -> dict[int, int]:

@@ -19,8 +19,9 @@ logger = logging.getLogger(__name__)
 class WindowMetrics:
     """Sums over the steps since the last log; `summary()` turns them into rates."""
 
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, peak_tflops: float | None = None):
         self.block_size = block_size
+        self.peak_tflops = peak_tflops  # MFU is reported against it when known
         self.reset()
 
     def reset(self) -> None:
@@ -31,9 +32,12 @@ class WindowMetrics:
         self.blocks = 0
         self.tokens = 0
         self.draft_positions = 0
+        self.flops = 0.0
+        self.grad_norms: list = []  # tensors or floats, as the engine returns them
         self.started = time.perf_counter()
 
-    def add(self, out: LossOutput, tokens: int) -> None:
+    def add(self, out: LossOutput, tokens: int, flops: float = 0.0) -> None:
+        """One micro-batch: its loss outputs, sequence tokens and FLOPs (target + drafter)."""
         scalars = torch.stack([out.loss.detach().float(), out.ce.float(), out.kl.float(),
                                out.block_streaks.sum().float()])
         sums = torch.cat([scalars, out.slot_correct.float(), out.slot_count.float()]).double()
@@ -42,13 +46,21 @@ class WindowMetrics:
         self.blocks += int(out.block_streaks.numel())
         self.tokens += tokens
         self.draft_positions += int(out.block_streaks.numel()) * self.block_size
+        self.flops += flops
 
-    def summary(self, group=None) -> dict:
+    def add_grad_norm(self, norm) -> None:
+        """The gradient norm of an optimizer step, before clipping."""
+        if norm is not None:
+            self.grad_norms.append(norm)
+
+    def summary(self, group=None, gpus: int | None = None) -> dict:
         """Rates over the window, summed over the ranks of `group` (the drafter ranks) when given;
-        throughputs are per rank of that group."""
+        throughputs are per rank of that group, TFLOP/s and MFU per GPU of the job (`gpus`,
+        target ranks included: every drafter micro-batch's target forward ran somewhere)."""
         sums = self.device_sums.cpu() if self.device_sums is not None else torch.zeros(4 + 2 * self.block_size,
                                                                                           dtype=torch.float64)
-        counts = torch.tensor([self.micro_batches, self.blocks, self.tokens, self.draft_positions], dtype=torch.float64)
+        counts = torch.tensor([self.micro_batches, self.blocks, self.tokens, self.draft_positions, self.flops],
+                              dtype=torch.float64)
         packed = torch.cat([sums, counts])
         ranks = 1
         if group is not None and dist.is_initialized():
@@ -59,10 +71,19 @@ class WindowMetrics:
         bs = self.block_size
         loss, ce, kl, streak = packed[:4].tolist()
         correct, count = packed[4:4 + bs], packed[4 + bs:4 + 2 * bs]
-        micro, blocks, tokens, positions = packed[4 + 2 * bs:].tolist()
+        micro, blocks, tokens, positions, flops = packed[4 + 2 * bs:].tolist()
         n = max(micro, 1)
         seconds = max(time.perf_counter() - self.started, 1e-9)
         acc = (correct / count.clamp(min=1)).float()
+        norms = [float(g) for g in self.grad_norms]
+        tflops = flops / seconds / (gpus or ranks) / 1e12
+        extra = {"tflops_per_gpu": tflops}
+        if self.peak_tflops:
+            extra["mfu"] = tflops / self.peak_tflops
+        if norms:
+            extra.update(grad_norm=sum(norms) / len(norms), grad_norm_max=max(norms))
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            extra["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
         return {
             "loss": loss / n,
             "ce": ce / n,
@@ -72,6 +93,7 @@ class WindowMetrics:
             "streak": streak / max(blocks, 1),
             "tokens_per_s": tokens / seconds / ranks,
             "draft_positions_per_s": positions / seconds / ranks,
+            **extra,
         }
 
 
@@ -115,4 +137,7 @@ def progress_line(record: dict, total_steps: int) -> str:
         f"{100 * record['epoch_fraction']:.0f}% of this epoch | loss {record['loss']:.3f} | acc1 {acc[0]:.3f} "
         f"acc{len(acc)} {acc[-1]:.3f} | streak {record['streak']:.2f} EAL {record['eal']:.2f} | "
         f"lr {record['lr']:.2e} | {record['tokens_per_s']:.0f} tok/s"
+        + (f" | MFU {100 * record['mfu']:.1f}%" if "mfu" in record else "")
+        + (f" | {record['peak_memory_gb']:.1f} GB" if "peak_memory_gb" in record else "")
+        + (f" | grad norm {record['grad_norm']:.3g}" if "grad_norm" in record else "")
     )

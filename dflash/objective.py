@@ -111,10 +111,13 @@ def dflash_loss(
     teacher_hidden: torch.Tensor | None = None,
     kl_weight: float = 0.0,
     chunk_size: int = 4096,
+    fused: bool = True,
 ) -> LossOutput:
     """sum(w * m * CE) / sum(w * m) over scored slots (+ kl_weight * the same-weighted KL to
     the target's distribution). Only scored positions go through the lm_head, in chunks, so the
-    [positions x vocab] logits never exist all at once.
+    [positions x vocab] logits never exist all at once. `fused` (CE only): each chunk's gradient
+    is taken in the forward pass and the logits freed at once (`linear_cross_entropy`); otherwise
+    autograd keeps every chunk's logits until backward.
 
     hidden [b, Q, D] drafter output; teacher_hidden [b, S, D] the target's final normed hidden
     state: its row a+j-1 gives the target's distribution for x[a+j].
@@ -127,22 +130,27 @@ def dflash_loss(
     w = weights.to(hidden.device)[slot][None].expand(b, q)[sel]
     labels = blocks.labels[sel]
     h = hidden[sel]
-    teacher_rows = (blocks.positions - 1)[sel] if teacher_hidden is not None else None
-    ce_sum = hidden.new_zeros((), dtype=torch.float32)
-    kl_sum = hidden.new_zeros((), dtype=torch.float32)
-    correct = torch.zeros(h.shape[0], dtype=torch.bool, device=h.device)
-    for start in range(0, h.shape[0], chunk_size):
-        part = slice(start, start + chunk_size)
-        logits = lm_head(h[part]).float()
-        ce_sum = ce_sum + (F.cross_entropy(logits, labels[part], reduction="none") * w[part]).sum()
-        correct[part] = logits.argmax(-1) == labels[part]
-        if teacher_hidden is not None and kl_weight > 0:
-            with torch.no_grad():
-                t = teacher_hidden[sel[0][part], teacher_rows[part]]
-                teacher_logp = F.log_softmax(lm_head(t).float(), dim=-1)
-            kl = F.kl_div(F.log_softmax(logits, -1), teacher_logp, log_target=True, reduction="none").sum(-1)
-            kl_sum = kl_sum + (kl * w[part]).sum()
     weight_sum = w.sum().clamp(min=1e-6)
+    distill = teacher_hidden is not None and kl_weight > 0
+    if fused and not distill:
+        ce_sum, correct = linear_cross_entropy(h, lm_head.weight, labels, w, chunk_size)
+        kl_sum = ce_sum.new_zeros(())
+    else:
+        teacher_rows = (blocks.positions - 1)[sel] if distill else None
+        ce_sum = hidden.new_zeros((), dtype=torch.float32)
+        kl_sum = hidden.new_zeros((), dtype=torch.float32)
+        correct = torch.zeros(h.shape[0], dtype=torch.bool, device=h.device)
+        for start in range(0, h.shape[0], chunk_size):
+            part = slice(start, start + chunk_size)
+            logits = lm_head(h[part]).float()
+            ce_sum = ce_sum + (F.cross_entropy(logits, labels[part], reduction="none") * w[part]).sum()
+            correct[part] = logits.argmax(-1) == labels[part]
+            if distill:
+                with torch.no_grad():
+                    t = teacher_hidden[sel[0][part], teacher_rows[part]]
+                    teacher_logp = F.log_softmax(lm_head(t).float(), dim=-1)
+                kl = F.kl_div(F.log_softmax(logits, -1), teacher_logp, log_target=True, reduction="none").sum(-1)
+                kl_sum = kl_sum + (kl * w[part]).sum()
     ce = ce_sum / weight_sum
     kl = kl_sum / weight_sum
     loss = ce + kl_weight * kl if kl_weight > 0 else ce
@@ -158,6 +166,47 @@ def dflash_loss(
         block_streaks=block_streaks(correct, mask, bs),
         weight_sum=weight_sum.detach(),
     )
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """sum_i w_i * CE(h_i @ W^T, y_i) with the gradient for h computed chunk by chunk in the
+    forward pass: only [N, D] is kept for backward, never [N, V] logits (for a 152K vocab that
+    is 1.2 MB per scored position in float32, several GB per sequence)."""
+
+    @staticmethod
+    def forward(ctx, h, weight, labels, w, chunk_size):
+        want_grad = ctx.needs_input_grad[0]
+        grad_h = torch.empty_like(h) if want_grad else None
+        ce_sum = torch.zeros((), dtype=torch.float32, device=h.device)
+        correct = torch.empty(h.shape[0], dtype=torch.bool, device=h.device)
+        for start in range(0, h.shape[0], chunk_size):
+            part = slice(start, start + chunk_size)
+            logits = (h[part] @ weight.t()).float()
+            rows = torch.arange(logits.shape[0], device=h.device)
+            lse = torch.logsumexp(logits, dim=-1)
+            ce_sum += ((lse - logits[rows, labels[part]]) * w[part]).sum()
+            correct[part] = logits.argmax(-1) == labels[part]
+            if want_grad:
+                # d(w * CE)/d logits = w * (softmax - onehot), built in the logits' own storage
+                probs = logits.sub_(lse[:, None]).exp_()
+                probs[rows, labels[part]] -= 1.0
+                probs.mul_(w[part, None])
+                grad_h[part] = probs.to(h.dtype) @ weight
+        ctx.save_for_backward(grad_h)
+        ctx.mark_non_differentiable(correct)
+        return ce_sum, correct
+
+    @staticmethod
+    def backward(ctx, grad_ce, _grad_correct):
+        (grad_h,) = ctx.saved_tensors
+        return grad_h * grad_ce.to(grad_h.dtype), None, None, None, None
+
+
+def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, w: torch.Tensor,
+                         chunk_size: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of w-weighted CE of h @ weight^T against labels as float32, argmax == label per row);
+    the weight is frozen (no gradient for it)."""
+    return _LinearCrossEntropy.apply(h, weight.detach(), labels, w.float(), chunk_size)
 
 
 def block_streaks(correct: torch.Tensor, mask: torch.Tensor, block_size: int) -> torch.Tensor:

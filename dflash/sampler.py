@@ -3,7 +3,9 @@
 Each epoch, seeded by (seed, epoch):
   1. samples go to length buckets and are shuffled inside each bucket;
   2. each bucket is cut greedily into micro-batches whose padded size
-     (batch size x longest length) stays within max_tokens;
+     (batch size x longest length) stays within max_tokens and, when given, whose
+     padded draft positions (batch size x most draft positions of a sample: anchors
+     are padded to the row with most) stay within max_draft_positions;
   3. a bucket's micro-batches are grouped into global steps of num_replicas
      batches, one per rank, so the ranks of a step wait on equally long
      sequences; the samples of a bucket's last, partial step are re-split over
@@ -65,8 +67,11 @@ class RankAwareBucketSampler:
         seed: int,
         shuffle: bool = True,
         num_epochs: int | None = None,
+        draft_positions: np.ndarray | None = None,
+        max_draft_positions: int | None = None,
     ) -> None:
         self.lengths = _checked_lengths(lengths, max_tokens)
+        self.budget = DraftBudget.checked(draft_positions, max_draft_positions, len(self.lengths))
         _check_settings(boundaries, num_replicas)
         self.boundaries = [int(b) for b in boundaries]
         self.max_tokens = int(max_tokens)
@@ -171,6 +176,7 @@ class RankAwareBucketSampler:
             "max_tokens": self.max_tokens,
             "num_replicas": self.num_replicas,
             "shuffle": self.shuffle,
+            **({"max_draft_positions": self.budget.limit} if self.budget else {}),
         }
 
     # ------------------------------------------------------------------ planning
@@ -198,7 +204,7 @@ class RankAwareBucketSampler:
         members = np.flatnonzero(self._bucket_of == bucket)
         if self.shuffle:
             members = rng.permutation(members)
-        sizes = pack_batch_sizes(self.lengths[members].tolist(), self.max_tokens)
+        sizes = pack_batch_sizes(self.lengths[members].tolist(), self.max_tokens, self._positions(members))
         full_steps = len(sizes) // self.num_replicas
         full_sizes = np.asarray(sizes[: full_steps * self.num_replicas], dtype=np.int64)
         head = int(full_sizes.sum())
@@ -210,34 +216,74 @@ class RankAwareBucketSampler:
 
     def _balanced_tail(self, tail: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Re-split a partial step's samples over all ranks, longest first, balanced and in budget."""
-        tail = tail[np.argsort(-self.lengths[tail], kind="stable")]
-        group_sizes = balanced_group_sizes(self.lengths[tail].tolist(), self.num_replicas, self.max_tokens)
+        in_order = pack_batch_sizes(self.lengths[tail].tolist(), self.max_tokens, self._positions(tail))
+        by_length = tail[np.argsort(-self.lengths[tail], kind="stable")]
+        group_sizes = balanced_group_sizes(self.lengths[by_length].tolist(), self.num_replicas, self.max_tokens,
+                                           self._positions(by_length))
+        if len(group_sizes) > self.num_replicas:  # the draft budget can defeat the sorted split
+            group_sizes = in_order
+        else:
+            tail = by_length
         sizes = np.zeros(self.num_replicas, dtype=np.int64)
         sizes[: len(group_sizes)] = group_sizes
         return tail, sizes
+
+    def _positions(self, members: np.ndarray) -> DraftBudget | None:
+        """The draft-position budget restricted to `members`, in their order."""
+        return self.budget.of(members) if self.budget else None
+
+
+@dataclass(frozen=True)
+class DraftBudget:
+    """Draft positions per sample (anchors x block size) and the most a micro-batch may pad to."""
+
+    positions: list[int]
+    limit: int
+
+    @staticmethod
+    def checked(positions, limit, num_samples: int) -> DraftBudget | None:
+        if positions is None or limit is None:
+            return None
+        positions = np.asarray(positions, dtype=np.int64)
+        if positions.shape != (num_samples,):
+            raise DataError(f"draft positions for {positions.shape} samples, expected ({num_samples},)")
+        if positions.max(initial=0) > limit:
+            raise DataError(f"a sample has {int(positions.max())} draft positions, more than the micro-batch "
+                            f"budget of {limit}; raise --max-draft-positions or lower --max-anchors")
+        return DraftBudget(positions.tolist(), int(limit))
+
+    def of(self, members: np.ndarray) -> DraftBudget:
+        return DraftBudget([self.positions[i] for i in members], self.limit)
+
+    def fits(self, count: int, widest: int) -> bool:
+        return count * widest <= self.limit
 
 
 # ---------------------------------------------------------------------- planning helpers
 
 
-def pack_batch_sizes(lengths: list[int], max_tokens: int) -> list[int]:
-    """Sizes of the greedy in-order batches whose size x longest length stays <= max_tokens."""
+def pack_batch_sizes(lengths: list[int], max_tokens: int, budget: DraftBudget | None = None) -> list[int]:
+    """Sizes of the greedy in-order batches whose size x longest length stays <= max_tokens
+    (and size x most draft positions within the budget's limit)."""
     sizes: list[int] = []
-    count = longest = 0
-    for length in lengths:
-        widest = length if length > longest else longest
-        if count and (count + 1) * widest > max_tokens:
+    count = longest = most = 0
+    for i, length in enumerate(lengths):
+        widest = max(length, longest)
+        positions = max(budget.positions[i], most) if budget else 0
+        if count and ((count + 1) * widest > max_tokens or (budget and not budget.fits(count + 1, positions))):
             sizes.append(count)
-            count, widest = 0, length
+            count, widest, positions = 0, length, budget.positions[i] if budget else 0
         count += 1
-        longest = widest
+        longest, most = widest, positions
     if count:
         sizes.append(count)
     return sizes
 
 
-def balanced_group_sizes(lengths: list[int], num_groups: int, max_tokens: int) -> list[int]:
-    """Sizes of at most num_groups consecutive groups of `lengths` (sorted longest first).
+def balanced_group_sizes(lengths: list[int], num_groups: int, max_tokens: int,
+                         budget: DraftBudget | None = None) -> list[int]:
+    """Sizes of consecutive groups of `lengths` (sorted longest first), at most num_groups of
+    them unless the draft budget alone needs more (the caller then falls back).
 
     Minimises the largest padded size, then splits the costliest groups while
     there are ranks to spare. With lengths sorted, some optimal split is made of
@@ -247,11 +293,11 @@ def balanced_group_sizes(lengths: list[int], num_groups: int, max_tokens: int) -
     low, high = lengths[0], max_tokens
     while low < high:
         middle = (low + high) // 2
-        if len(_greedy_groups(lengths, middle)) <= num_groups:
+        if len(_greedy_groups(lengths, middle, budget)) <= num_groups:
             high = middle
         else:
             low = middle + 1
-    groups = _greedy_groups(lengths, low)
+    groups = _greedy_groups(lengths, low, budget)
     while len(groups) < num_groups:
         splittable = [(size * lengths[start], i) for i, (start, size) in enumerate(groups) if size > 1]
         if not splittable:
@@ -263,14 +309,23 @@ def balanced_group_sizes(lengths: list[int], num_groups: int, max_tokens: int) -
     return [size for _, size in groups]
 
 
-def _greedy_groups(lengths: list[int], budget: int) -> list[tuple[int, int]]:
-    """(start, size) of maximal consecutive groups of longest-first lengths within `budget`."""
+def _greedy_groups(lengths: list[int], token_budget: int, budget: DraftBudget | None = None) -> list[tuple[int, int]]:
+    """(start, size) of maximal consecutive groups of longest-first lengths within `token_budget`
+    (and the draft budget)."""
     groups: list[tuple[int, int]] = []
     start = 0
     while start < len(lengths):
         longest = lengths[start]
-        # budget >= lengths[0] >= longest, so every group takes at least one sample.
-        size = len(lengths) - start if longest == 0 else min(budget // longest, len(lengths) - start)
+        # token_budget >= lengths[0] >= longest, so every group takes at least one sample.
+        size = len(lengths) - start if longest == 0 else min(token_budget // longest, len(lengths) - start)
+        if budget:
+            most, fitting = 0, 0
+            while fitting < size:
+                most = max(most, budget.positions[start + fitting])
+                if not budget.fits(fitting + 1, most):
+                    break
+                fitting += 1
+            size = max(fitting, 1)
         groups.append((start, size))
         start += size
     return groups

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch.distributed as dist
 
+from dflash.flops import CostShapes, drafter_flops, target_flops
+
 logger = logging.getLogger(__name__)
 
 
@@ -91,50 +93,6 @@ def parse_target_ranks(value: str) -> str | int:
         return int(value)
     except ValueError:
         raise TopologyError(f"--target-ranks {value!r}: use colocated, auto, or a number of ranks") from None
-
-
-@dataclass
-class CostShapes:
-    """What the FLOP model needs of the target and the drafter."""
-
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    target_layers_run: int  # deepest feature layer + 1, or all layers with distillation
-    drafter_layers: int
-    num_features: int
-    anchors: int
-    block_size: int
-
-
-def _layer_matmul_params(s: CostShapes) -> int:
-    q_o = 2 * s.hidden * s.heads * s.head_dim
-    k_v = 2 * s.hidden * s.kv_heads * s.head_dim
-    return q_o + k_v + 3 * s.hidden * s.intermediate
-
-
-def target_flops(s: CostShapes, length: int) -> float:
-    """Forward of one sequence: matmuls plus causal attention, up to the deepest layer used."""
-    matmul = 2 * _layer_matmul_params(s) * length
-    attention = 2 * 2 * s.heads * s.head_dim * length * length / 2
-    return (matmul + attention) * s.target_layers_run
-
-
-def drafter_flops(s: CostShapes, length: int) -> float:
-    """Forward + backward (3x forward) of one sequence's blocks, and the lm_head forward plus
-    input gradient on the scored slots."""
-    anchors = min(s.anchors, max(length - 1, 1))
-    queries = anchors * s.block_size
-    kv_proj = 2 * s.hidden * s.kv_heads * s.head_dim
-    per_layer = 2 * _layer_matmul_params(s) * queries + 2 * kv_proj * length
-    visible = queries * (length / 2 + s.block_size)
-    per_layer += 2 * 2 * s.heads * s.head_dim * visible
-    fc = 2 * s.num_features * s.hidden * s.hidden * length
-    lm_head = 2 * s.hidden * s.vocab * anchors * (s.block_size - 1) * 2
-    return 3 * (per_layer * s.drafter_layers + fc) + lm_head
 
 
 SPLIT_MIN_EFFICIENCY = 0.9

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -27,9 +28,12 @@ from dflash.data import TokenDataset, load_tokenizer, prepare_dataset
 from dflash.distributed import RankInfo
 from dflash.drafter_step import DrafterStep, StepSettings
 from dflash.export import export_drafter
+from dflash.flops import CostShapes, measured_peak_tflops, micro_batch_flops
 from dflash.feature_source import LocalFeatures, RemoteFeatures, compute_features
+from dflash.memory import MemoryBudgetError, MemoryShapes, draft_position_budget, free_device_bytes
 from dflash.metrics import MetricsLogger, WindowMetrics, progress_line
 from dflash.model import DFlashDrafter, drafter_config
+from dflash.phases import PhaseClock
 from dflash.objective import default_gamma, feature_noise_std, slot_weights
 from dflash.sampler import RankAwareBucketSampler
 from dflash.spike import SpikeGuard
@@ -41,7 +45,6 @@ from dflash.target import (
     resolve_mask_token_id,
 )
 from dflash.topology import (
-    CostShapes,
     DrafterParallelism,
     Topology,
     drafter_groups,
@@ -216,17 +219,23 @@ def train_drafter_rank(config, ranks, topology, dcfg, dataset, source, data_grou
     device = ranks.device
     drafter_rank = topology.drafter_ranks.index(ranks.rank)
     is_main = drafter_rank == 0
+    torch.manual_seed(config.train.seed)  # same initial drafter whatever was loaded before
+    drafter = DFlashDrafter(dcfg)
+    embed, lm_head = frozen_embedding_and_head(config, dcfg, target, device)
+    anchors = np.maximum(np.minimum(dataset.anchor_candidates(), config.train.max_anchors), 1)
+    ds_config = deepspeed_config(config, device)
+    max_positions = draft_position_limit(config, dcfg, drafter, ds_config, len(topology.drafter_ranks), device,
+                                         is_main)
     sampler = RankAwareBucketSampler(
         dataset.lengths, config.data.bucket_boundaries, config.data.max_tokens,
         num_replicas=len(topology.drafter_ranks), seed=config.train.seed, num_epochs=config.train.epochs,
+        draft_positions=anchors * dcfg.block_size if max_positions else None, max_draft_positions=max_positions,
     )
     steps_per_epoch = math.ceil(sampler.steps_per_epoch() / config.train.grad_accum)
     total_steps = steps_per_epoch * config.train.epochs
     if config.train.max_steps > 0:
         total_steps = min(total_steps, config.train.max_steps)
 
-    torch.manual_seed(config.train.seed)  # same initial drafter whatever was loaded before
-    drafter = DFlashDrafter(dcfg)
     initial_dir = out_dir / "drafter-init"
     if is_main:
         export_drafter(drafter, initial_dir)
@@ -236,15 +245,14 @@ def train_drafter_rank(config, ranks, topology, dcfg, dataset, source, data_grou
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total_steps, config.train.warmup_ratio))
     engine, _, _, _ = deepspeed.initialize(
-        model=drafter, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(config, device),
+        model=drafter, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
         mpu=DrafterParallelism(data_group, self_group, topology.drafter_ranks),
     )
     gamma = config.train.gamma if config.train.gamma is not None else default_gamma(dcfg.block_size)
-    settings = StepSettings(
-        max_anchors=config.train.max_anchors, slot_weights=slot_weights(dcfg.block_size, gamma),
-        attention_backend=resolve_backend(config.model.attention_backend, device), kl_weight=config.train.kl_weight,
-    )
-    embed, lm_head = frozen_embedding_and_head(config, dcfg, target, device)
+    settings = step_settings(config, dcfg, gamma, device)
+    if config.model.kernels == "fast" and device.type == "cuda":
+        for layer in engine.module.layers:  # fuses the norms, RoPE and SiLU; shapes vary, so dynamic
+            layer.compile(dynamic=True)
     step = DrafterStep(engine.module, embed, lm_head, settings, forward=engine)
     if is_main:
         logger.info(
@@ -260,35 +268,47 @@ def train_drafter_rank(config, ranks, topology, dcfg, dataset, source, data_grou
     checkpointer = Checkpointer(engine, out_dir, config.train.save_every, config.train.keep_checkpoints, drafter_rank,
                                 len(topology.drafter_ranks), data_group)
     guard = SpikeGuard(config.train.spike_factor, group=data_group)
-    window = WindowMetrics(dcfg.block_size)
+    window = WindowMetrics(dcfg.block_size, measured_peak_tflops(device.index or 0) if device.type == "cuda" else None)
+    shapes = cost_shapes(dcfg, config)
+    clock = PhaseClock(device)
     started = time.perf_counter()
     last: dict = {}
     for epoch in range(start_epoch, config.train.epochs):
         sampler.set_epoch(epoch)
         schedule = sampler.rank_batches(drafter_rank)
-        for batch_step, indices, batch in source.batches(schedule):
+        for batch_step, indices, batch in source.batches(schedule, clock):
             if batch is None:  # this rank got no samples at this step: a zero step keeps lockstep
                 out = step.empty_loss()
             else:
                 blocks = step.sample_blocks(batch.input_ids, batch.loss_mask,
                                             anchor_generator(config.train.seed, epoch, batch_step, drafter_rank))
+                clock.mark("anchors")
                 noise = feature_noise_std(engine.global_steps, total_steps, config.train.feature_noise_std)
                 out = step.loss(blocks, batch.target, noise_std=noise)
-            if guard.should_skip(out.loss, track=batch is not None):
+            clock.mark("drafter_forward")
+            skip = guard.should_skip(out.loss, track=batch is not None)
+            clock.mark("spike_check")
+            if skip:
                 logger.warning("skipped the micro-batch of step %d, epoch %d: loss %.4g vs recent median %s "
                                "(%d skipped so far)", batch_step, epoch + 1, float(out.loss.detach()),
                                f"{guard.reference:.4g}" if guard.reference is not None else "n/a", guard.skipped)
                 continue
             before, skipped_before = engine.global_steps, engine.skipped_steps
             engine.backward(out.loss)
+            clock.mark("backward")
             engine.step()  # ZeRO skips the update itself when the gradient norm is not finite
+            clock.mark("optimizer")
             if engine.skipped_steps != skipped_before and is_main:
                 logger.warning("optimizer step %d skipped: the gradient norm was not finite (%d skipped so far)",
                                engine.global_steps, engine.skipped_steps)
-            window.add(out, tokens=int(dataset.lengths[indices].sum()) if indices else 0)
+            window.add(out, tokens=int(dataset.lengths[indices].sum()) if indices else 0,
+                       flops=micro_batch_flops(shapes, dataset.lengths[indices], anchors[indices], with_target=True))
             boundary = engine.global_steps != before
+            if boundary:
+                window.add_grad_norm(engine.get_global_grad_norm())
             if boundary and (engine.global_steps % config.train.log_every == 0 or engine.global_steps >= total_steps):
-                last = window.summary(data_group)
+                last = window.summary(data_group, gpus=ranks.world_size)
+                last["time_split"] = {phase: round(seconds, 4) for phase, seconds in clock.split().items()}
                 last.update(step=engine.global_steps, epoch=epoch, epochs=config.train.epochs,
                             epoch_fraction=(batch_step + 1) / sampler.steps_per_epoch(),
                             lr=scheduler.get_last_lr()[0], elapsed_s=time.perf_counter() - started,
@@ -302,6 +322,7 @@ def train_drafter_rank(config, ranks, topology, dcfg, dataset, source, data_grou
             if boundary:
                 sampler_state = {**sampler.state_dict(), "epoch": epoch, "position": batch_step + 1}
                 checkpointer.maybe_save(engine.global_steps, {"sampler": sampler_state})
+            clock.mark("bookkeeping")
             if engine.global_steps >= total_steps:
                 break
         if engine.global_steps >= total_steps:
@@ -319,6 +340,40 @@ def train_drafter_rank(config, ranks, topology, dcfg, dataset, source, data_grou
     metrics.close()
     role = "colocated" if topology.colocated else "drafter"
     return TrainResult(role, engine.global_steps, seconds, drafter_dir, initial_dir, last)
+
+
+def step_settings(config: RunConfig, dcfg, gamma: float, device: torch.device) -> StepSettings:
+    naive = config.model.kernels == "naive"
+    return StepSettings(
+        max_anchors=config.train.max_anchors, slot_weights=slot_weights(dcfg.block_size, gamma),
+        attention_backend="sdpa" if naive else resolve_backend(config.model.attention_backend, device),
+        kl_weight=config.train.kl_weight, fused_loss=not naive,
+        lm_head_chunk=1 << 62 if naive else StepSettings.lm_head_chunk,  # naive: every logit at once
+    )
+
+
+def draft_position_limit(config: RunConfig, dcfg, drafter, ds_config: dict, drafter_ranks: int,
+                         device: torch.device, log: bool) -> int | None:
+    """--max-draft-positions, or on a GPU the memory model's budget for the memory left free."""
+    if config.data.max_draft_positions is not None:
+        return config.data.max_draft_positions or None
+    if device.type != "cuda":
+        return None
+    shapes = MemoryShapes(
+        hidden=dcfg.hidden_size, intermediate=dcfg.intermediate_size, kv_width=dcfg.num_key_value_heads * dcfg.head_dim,
+        layers=dcfg.num_hidden_layers, num_features=len(dcfg.dflash_config["target_layer_ids"]),
+        vocab=dcfg.vocab_size, anchors=config.train.max_anchors, block_size=dcfg.block_size,
+    )
+    try:
+        budget = draft_position_budget(
+            shapes, free_device_bytes(device), sum(p.numel() for p in drafter.parameters()),
+            ds_config.get("zero_optimization", {}).get("stage", 0), drafter_ranks, config.data.max_tokens,
+            fused_loss=config.model.kernels == "fast")
+    except MemoryBudgetError as err:
+        raise ConfigError(str(err)) from None
+    if log:
+        logger.info("%s (set --max-draft-positions to override)", budget.report)
+    return budget.max_draft_positions
 
 
 def resume(config: RunConfig, engine, sampler: RankAwareBucketSampler, drafter_rank: int) -> int:

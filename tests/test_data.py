@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dflash import data
+from dflash.objective import anchor_candidates
 from dflash.data import (
     DataError,
     TokenDataset,
@@ -509,3 +510,15 @@ def test_a_nul_byte_in_a_line_is_a_malformed_sample(tmp_path):
     path.write_bytes(GOOD.encode() + b'\n{"prompt": "a\x00b", "response": "c"}\n')
     with pytest.raises(DataError, match=f"{path}:2: malformed JSON"):
         load_chat_jsonl(path)
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 50, 1 << 26])
+def test_anchor_candidate_counts_match_the_objective(tokenizer, tmp_path, chunk_tokens):
+    """The per-sample counts the batch budget uses are the anchors the objective can draw,
+    however the shard is read in chunks (samples never pair across their boundary)."""
+    records = [chat(("user", "hi"), ("assistant", "a b c d e f")), chat(("user", "x"), ("assistant", "y")),
+               chat(("user", "q"), ("assistant", "one two"), ("user", "more"), ("assistant", "three four five"))]
+    ds = TokenDataset(prepare_dataset(write_jsonl(tmp_path / "d.jsonl", records), tokenizer, tmp_path / "s", 64))
+    want = [int(anchor_candidates(torch.from_numpy(ds[i][1])[None]).sum()) for i in range(len(ds))]
+    assert ds.anchor_candidates(chunk_tokens).tolist() == want
+    assert min(want) >= 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 
 from conftest import MASK_ID, tiny_drafter, tiny_target
@@ -88,6 +89,33 @@ def test_loss_is_the_weight_normalised_cross_entropy():
             den += wq
     assert math.isclose(float(out.loss.detach()), num / den, rel_tol=1e-5)
     assert out.slot_count.tolist() == [0, 2, 2, 1]  # block at 7: slots 8, 9 in the mask; 10 is not
+
+
+@pytest.mark.parametrize("chunk", [3, 4096])
+def test_fused_loss_matches_autograd_loss_and_gradients(chunk):
+    """The fused lm_head + CE (gradient taken in the forward pass) against plain autograd."""
+    torch.manual_seed(0)
+    b, s, bs, d, v = 2, 40, 4, 16, 37
+    ids = torch.randint(0, v, (b, s))
+    loss_mask = torch.zeros(b, s, dtype=torch.bool)
+    loss_mask[:, 5:] = True
+    layout = sample_anchors(loss_mask, 6, bs, torch.Generator().manual_seed(0))
+    blocks = build_blocks(ids, loss_mask, layout, v - 1)
+    head = torch.nn.Linear(d, v, bias=False).requires_grad_(False)
+    w = slot_weights(bs, 2.0)
+    results = []
+    for fused in (True, False):
+        hidden = torch.randn(b, blocks.input_ids.shape[1], d, generator=torch.Generator().manual_seed(1))
+        hidden.requires_grad_(True)
+        out = dflash_loss(hidden, blocks, head, w, chunk_size=chunk, fused=fused)
+        (out.loss * 3.0).backward()  # a non-unit upstream gradient must scale the fused one
+        results.append((out, hidden.grad))
+    (fused_out, fused_grad), (plain_out, plain_grad) = results
+    assert torch.allclose(fused_out.loss, plain_out.loss, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(fused_grad, plain_grad, rtol=1e-4, atol=1e-7)
+    assert float(fused_grad.abs().sum()) > 0
+    assert torch.equal(fused_out.slot_correct, plain_out.slot_correct)
+    assert torch.equal(fused_out.block_streaks, plain_out.block_streaks)
 
 
 def test_export_round_trip(tmp_path):

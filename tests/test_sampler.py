@@ -250,3 +250,28 @@ def test_sample_longer_than_budget_is_a_data_error():
         RankAwareBucketSampler(np.array([10, 300]), BOUNDARIES, MAX_TOKENS, 2, 0)
 
 
+
+
+@pytest.mark.parametrize("num_replicas", [1, 3, 8])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_draft_position_budget_bounds_every_batch_and_keeps_every_sample(num_replicas, seed):
+    """Draft positions (anchors x B, padded to the row with most) cost memory apart from the
+    context tokens: with a budget, no micro-batch exceeds either, and the epoch is still whole."""
+    lengths = skewed_lengths(seed)
+    positions = np.minimum(lengths, 12) * 4  # min(anchors, candidates) x block size
+    limit = 4 * 12 * 3  # three full-anchor rows
+    sampler = make_sampler(lengths, num_replicas, seed=seed, draft_positions=positions, max_draft_positions=limit)
+    steps = epoch_steps(sampler)
+    seen = sorted(i for step in steps for batch in step for i in batch)
+    assert seen == list(range(len(lengths)))
+    widest = max(len(batch) * int(positions[batch].max()) for step in steps for batch in step if batch)
+    assert widest <= limit
+    assert max(padded(lengths, batch) for step in steps for batch in step) <= MAX_TOKENS
+    unbounded = epoch_steps(make_sampler(lengths, num_replicas, seed=seed))
+    assert len(steps) > len(unbounded), "the budget must cut the short-sample batches smaller"
+
+
+def test_draft_budget_below_one_sample_names_the_flags():
+    lengths = np.array([10, 20, 30])
+    with pytest.raises(DataError, match="--max-draft-positions"):
+        make_sampler(lengths, 1, draft_positions=lengths * 4, max_draft_positions=100)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dflash.topology import CostShapes, drafter_flops, split_efficiency, suggest_target_ranks, target_flops
+from dflash.flops import CostShapes, drafter_flops, target_flops
+from dflash.topology import split_efficiency, suggest_target_ranks
 
 QWEN3_8B = CostShapes(hidden=4096, intermediate=12288, heads=32, kv_heads=8, head_dim=128, vocab=151936,
                       target_layers_run=34, drafter_layers=5, num_features=5, anchors=512, block_size=16)
