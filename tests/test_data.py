@@ -367,7 +367,7 @@ def test_crash_leaves_no_valid_looking_shard(tokenizer, tmp_path, monkeypatch):
     path = write_jsonl(tmp_path / "d.jsonl", SAMPLES)
     shard = tmp_path / "shard"
 
-    monkeypatch.setattr(data, "_write_index_and_manifest", _crash)
+    monkeypatch.setattr(data, "write_index_and_manifest", _crash)
     with pytest.raises(RuntimeError):
         prepare_dataset(path, tokenizer, shard, max_length=512)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.jsonl"]
@@ -378,7 +378,7 @@ def test_crash_leaves_no_valid_looking_shard(tokenizer, tmp_path, monkeypatch):
 def test_crash_keeps_previous_shard(tokenizer, tmp_path, monkeypatch):
     path = write_jsonl(tmp_path / "d.jsonl", SAMPLES)
     shard = prepare_dataset(path, tokenizer, tmp_path / "shard", max_length=512)
-    monkeypatch.setattr(data, "_write_index_and_manifest", _crash)
+    monkeypatch.setattr(data, "write_index_and_manifest", _crash)
 
     with pytest.raises(RuntimeError):
         prepare_dataset(path, tokenizer, shard, max_length=256)
