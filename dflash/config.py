@@ -73,6 +73,7 @@ class TrainArgs:
     feature_noise_std: float = field(default=0.0, metadata={"help": "initial std of feature noise, cosine-decayed to 0"})
     seed: int = 0
     log_every: int = 10
+    profile_steps: int = field(default=0, metadata={"help": "profile this many optimizer steps after the first 20 (GPU): <output-dir>/profile/"})
     spike_factor: float = field(default=3.0, metadata={"help": "skip a micro-batch whose loss exceeds this x the running mean (0: only NaN/inf)"})
     save_every: int = field(default=0, metadata={"help": "checkpoint every N optimizer steps (0: never)"})
     keep_checkpoints: int = field(default=3, metadata={"help": "keep the newest N complete checkpoints"})
@@ -203,6 +204,7 @@ def validate(config: RunConfig) -> None:
     _require(t.epochs >= 1, f"--epochs {t.epochs}: need at least 1 (a run of 0 epochs would export an untrained drafter)")
     _require(t.max_steps == -1 or t.max_steps >= 1, f"--max-steps {t.max_steps}: use -1 (all epochs) or >= 1")
     _require(t.log_every >= 1, f"--log-every {t.log_every}: need at least 1")
+    _require(t.profile_steps >= 0, f"--profile-steps {t.profile_steps}: use 0 (off) or a step count")
     _require(t.transport_timeout_s > 0 and t.dist_timeout_minutes > 0,
              "--transport-timeout-s and --dist-timeout-minutes must be > 0")
     _require(not (t.resume and t.overwrite), "--resume and --overwrite exclude each other: continue the run, or start afresh")

@@ -28,13 +28,14 @@ from dflash.data import TokenDataset, load_tokenizer, prepare_dataset
 from dflash.distributed import RankInfo
 from dflash.drafter_step import DrafterStep, StepSettings
 from dflash.export import export_drafter
-from dflash.flops import CostShapes, measured_peak_tflops, micro_batch_flops
 from dflash.feature_source import LocalFeatures, RemoteFeatures, compute_features
+from dflash.flops import CostShapes, measured_peak_tflops, micro_batch_flops
 from dflash.memory import MemoryBudgetError, MemoryShapes, draft_position_budget, free_device_bytes
 from dflash.metrics import MetricsLogger, WindowMetrics, progress_line
 from dflash.model import DFlashDrafter, drafter_config
-from dflash.phases import PhaseClock
 from dflash.objective import default_gamma, feature_noise_std, slot_weights
+from dflash.phases import PhaseClock
+from dflash.profiling import StepProfiler
 from dflash.sampler import RankAwareBucketSampler
 from dflash.spike import SpikeGuard
 from dflash.target import (
@@ -56,6 +57,8 @@ from dflash.topology import (
 from dflash.transport import DrafterClient, TargetServer, TransportSpec, open_pair_groups
 
 logger = logging.getLogger(__name__)
+
+PROFILE_AFTER_STEPS = 20  # compilation and allocator warm-up are over by then
 
 
 @dataclass
@@ -196,6 +199,8 @@ def train(config: RunConfig, ranks: RankInfo) -> TrainResult:
     target = None
     if topology.is_target(ranks.rank):
         target = FrozenTarget.load(config.model.target, layer_ids, dtype, device)
+        if config.model.kernels == "fast" and device.type == "cuda":
+            target.compile_elementwise()
     if not topology.is_drafter(ranks.rank):
         server = TargetServer(
             ranks.rank, topology.drafter_ranks, spec,
@@ -271,6 +276,7 @@ def train_drafter_rank(config, ranks, topology, dcfg, dataset, source, data_grou
     window = WindowMetrics(dcfg.block_size, measured_peak_tflops(device.index or 0) if device.type == "cuda" else None)
     shapes = cost_shapes(dcfg, config)
     clock = PhaseClock(device)
+    profiler = StepProfiler(out_dir, PROFILE_AFTER_STEPS, config.train.profile_steps, device, enabled=is_main)
     started = time.perf_counter()
     last: dict = {}
     for epoch in range(start_epoch, config.train.epochs):
@@ -306,6 +312,7 @@ def train_drafter_rank(config, ranks, topology, dcfg, dataset, source, data_grou
             boundary = engine.global_steps != before
             if boundary:
                 window.add_grad_norm(engine.get_global_grad_norm())
+                profiler.step_done(engine.global_steps)
             if boundary and (engine.global_steps % config.train.log_every == 0 or engine.global_steps >= total_steps):
                 last = window.summary(data_group, gpus=ranks.world_size)
                 last["time_split"] = {phase: round(seconds, 4) for phase, seconds in clock.split().items()}
@@ -368,7 +375,7 @@ def draft_position_limit(config: RunConfig, dcfg, drafter, ds_config: dict, draf
         budget = draft_position_budget(
             shapes, free_device_bytes(device), sum(p.numel() for p in drafter.parameters()),
             ds_config.get("zero_optimization", {}).get("stage", 0), drafter_ranks, config.data.max_tokens,
-            fused_loss=config.model.kernels == "fast")
+            fast=config.model.kernels == "fast")
     except MemoryBudgetError as err:
         raise ConfigError(str(err)) from None
     if log:

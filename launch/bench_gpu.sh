@@ -1,23 +1,28 @@
 #!/usr/bin/env bash
 # Throughput and memory benchmarks on a GPU host, results as JSON under $RESULTS (default
-# runs/bench/results): the drafter step with fast and naive kernels, the memory sweep, and the
-# end-to-end training loop (fast vs naive). With two GPUs the drafter-step runs use GPU 0 and
-# the end-to-end runs GPU 1, side by side.      PYTHON=python3 bash launch/bench_gpu.sh
+# runs/bench/results): the drafter step with fast and naive kernels, the memory sweep, the
+# end-to-end training loop (fast vs naive, with a profile), and the fast loop as on an 80 GiB
+# card. With two GPUs the two halves run side by side.   PYTHON=python3 bash launch/bench_gpu.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 RES=${RESULTS:-runs/bench/results}
+BENCH=${BENCH_DIR:-runs/bench}
 mkdir -p "$RES"
+[ -f "$BENCH/assets/target/config.json" ] || "$PY" -m dflash.bench_assets --out "$BENCH/assets" > "$RES/assets.log" 2>&1
 second=$(( $("$PY" -c 'import torch; print(torch.cuda.device_count())') > 1 ? 1 : 0 ))
+e2e() { "$PY" -m dflash.e2e_benchmark --out "$BENCH" --steps "${STEPS:-40}" "$@"; }
 (
   export CUDA_VISIBLE_DEVICES=0
-  "$PY" -m dflash.benchmark --output "$RES/step_fast.json" > "$RES/step_fast.log" 2>&1
-  "$PY" -m dflash.benchmark --kernels naive --output "$RES/step_naive.json" > "$RES/step_naive.log" 2>&1
+  if [ -z "${SKIP_STEP_BENCH:-}" ]; then
+    "$PY" -m dflash.benchmark --output "$RES/step_fast.json" > "$RES/step_fast.log" 2>&1
+    "$PY" -m dflash.benchmark --kernels naive --output "$RES/step_naive.json" > "$RES/step_naive.log" 2>&1
+  fi
   "$PY" -m dflash.benchmark --memory-sweep --output "$RES/memory_sweep.json" > "$RES/memory_sweep.log" 2>&1
+  e2e --kernels fast --profile-steps 0 --emulate-gb 80 --output "$RES/e2e_80gb.json" > "$RES/e2e_80gb.log" 2>&1
 ) &
-steps=$!
-[ "$second" = 1 ] || wait "$steps"
-CUDA_VISIBLE_DEVICES=$second "$PY" -m dflash.e2e_benchmark --out "${BENCH_DIR:-runs/bench}" --steps "${STEPS:-40}" \
-    --output "$RES/e2e.json" ${E2E_EXTRA:+--extra "$E2E_EXTRA"} > "$RES/e2e.log" 2>&1
+half=$!
+[ "$second" = 1 ] || wait "$half"
+CUDA_VISIBLE_DEVICES=$second e2e --output "$RES/e2e.json" > "$RES/e2e.log" 2>&1
 wait
 tail -n 3 "$RES"/*.log

@@ -1,5 +1,6 @@
 """GPU checks (run on a CUDA host: python -m pytest -m gpu). Flex attention with the block mask
-must agree with SDPA on the dense mask, forward and backward."""
+must agree with SDPA on the dense mask, forward and backward; the whole fast training step
+(flex, fused lm_head loss, compiled layers) with the naive one."""
 
 from __future__ import annotations
 
@@ -38,3 +39,63 @@ def test_flex_matches_dense_sdpa(dtype, tol):
     torch.testing.assert_close(flex_out * real, dense_out * real, rtol=tol, atol=tol)
     for a, b_ in zip(flex_grads, dense_grads):
         torch.testing.assert_close(a, b_, rtol=tol, atol=tol * 10)
+
+
+def drafter_step_for(kernels: str, dtype: torch.dtype):
+    """A small drafter (same seed, same weights) wired with the fast or the naive kernels, as
+    train.step_settings and the layer compile set them up."""
+    from transformers import Qwen3Config
+
+    from dflash.drafter_step import DrafterStep, StepSettings
+    from dflash.model import DFlashDrafter, drafter_config
+    from dflash.objective import slot_weights
+
+    vocab, hidden = 1000, 256
+    target_config = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=512, num_hidden_layers=8,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        drafter = DFlashDrafter(drafter_config(target_config, 2, [1, 3, 5], 16, vocab - 1)).to(dtype)
+        embed = torch.nn.Embedding(vocab, hidden, dtype=dtype).requires_grad_(False)
+        head = torch.nn.Linear(hidden, vocab, bias=False, dtype=dtype).requires_grad_(False)
+    fast = kernels == "fast"
+    if fast:
+        for layer in drafter.layers:
+            layer.compile(dynamic=True)
+    settings = StepSettings(max_anchors=48, slot_weights=slot_weights(16, 7.0),
+                            attention_backend="flex" if fast else "sdpa", fused_loss=fast,
+                            lm_head_chunk=100 if fast else 1 << 62)
+    return DrafterStep(drafter, embed, head, settings)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_fast_training_step_matches_the_naive_one(dtype, tol):
+    """Flex attention + fused lm_head loss + compiled layers give the loss and every parameter
+    gradient of dense-mask SDPA + full logits + eager layers, on a realistic block layout
+    (sampled anchors, padding blocks, two rows of different response spans)."""
+    from dflash.target import TargetOutputs
+
+    b, s = 2, 400
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 999, (b, s), generator=generator).cuda()
+    loss_mask = torch.zeros(b, s, dtype=torch.bool, device="cuda")
+    loss_mask[0, 50:] = True
+    loss_mask[1, 300:330] = True  # fewer candidates than anchors: padding blocks in row 1
+    features = torch.randn(b, s, 3 * 256, generator=generator).cuda().to(dtype)
+    results = []
+    for kernels in ("fast", "naive"):
+        step = drafter_step_for(kernels, dtype)
+        blocks = step.sample_blocks(ids, loss_mask, torch.Generator().manual_seed(1))
+        out = step.loss(blocks, TargetOutputs(features=features))
+        out.loss.backward()
+        grads = {name: p.grad.float() for name, p in step.drafter.named_parameters()}
+        results.append((out.loss.detach().float(), grads, out.slot_correct))
+    (fast_loss, fast_grads, fast_correct), (naive_loss, naive_grads, naive_correct) = results
+    torch.testing.assert_close(fast_loss, naive_loss, rtol=tol, atol=tol)
+    assert fast_grads.keys() == naive_grads.keys()
+    for name in fast_grads:
+        scale = naive_grads[name].abs().max().clamp(min=1e-6)
+        torch.testing.assert_close(fast_grads[name] / scale, naive_grads[name] / scale, rtol=tol, atol=tol,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    if dtype == torch.float32:
+        assert torch.equal(fast_correct, naive_correct)
