@@ -28,7 +28,8 @@ from transformers import HfArgumentParser, Qwen3Config
 
 from dflash.drafter_step import DrafterStep, StepSettings
 from dflash.flops import CostShapes, drafter_flops, measured_peak_tflops, spec_peak_tflops
-from dflash.memory import MemoryShapes, bytes_per_context_token, bytes_per_draft_position, loss_workspace_bytes
+from dflash.memory import (WORKSPACE_BYTES, MemoryShapes, bytes_per_context_token, bytes_per_draft_position,
+                           loss_workspace_bytes)
 from dflash.model import DFlashDrafter, drafter_config
 from dflash.objective import slot_weights
 from dflash.target import TargetOutputs
@@ -157,9 +158,10 @@ def memory_sweep(bench: Bench) -> list[dict]:
         torch.cuda.reset_peak_memory_stats()
         generator = torch.Generator().manual_seed(0)
         before = torch.cuda.memory_allocated()
-        predicted = (2 * bench.params + loss_workspace_bytes(bench.memory)
+        drawn = min(anchors, seq_len - seq_len // 8 - 1)  # anchors the loss mask allows (see inputs)
+        predicted = (2 * bench.params + loss_workspace_bytes(bench.memory) + WORKSPACE_BYTES
                      + rows * seq_len * bytes_per_context_token(bench.memory)
-                     + rows * anchors * a.block_size * bytes_per_draft_position(bench.memory, a.kernels == "fast"))
+                     + rows * drawn * a.block_size * bytes_per_draft_position(bench.memory, a.kernels == "fast"))
         try:
             ids, loss_mask, target = bench.inputs(rows, seq_len)
             bench.run_step(ids, loss_mask, target, generator, anchors)
@@ -170,7 +172,7 @@ def memory_sweep(bench: Bench) -> list[dict]:
         finally:
             ids = loss_mask = target = None
             bench.optimizer.zero_grad(set_to_none=True)
-        row = {"rows": rows, "seq_len": seq_len, "anchors": anchors, "draft_positions": rows * anchors * a.block_size,
+        row = {"rows": rows, "seq_len": seq_len, "anchors": anchors, "draft_positions": rows * drawn * a.block_size,
                "fits": fits, "step_gb": measured / 2**30, "predicted_gb": predicted / 2**30,
                "peak_gb": torch.cuda.max_memory_allocated() / 2**30}
         print(json.dumps(row), flush=True)

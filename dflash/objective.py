@@ -168,6 +168,36 @@ def dflash_loss(
     )
 
 
+def _cross_entropy_chunk(logits: torch.Tensor, labels: torch.Tensor, w: torch.Tensor, want_grad: bool):
+    """One chunk of logits [n, V] (the lm_head's dtype): (sum of w * CE, argmax == label, and
+    d(sum w * CE)/d logits = w * (softmax - onehot) in the logits' dtype, or None). Written as
+    plain tensor code so that on a GPU `torch.compile` fuses it into a reduction over V and one
+    pointwise pass, instead of eager passes that each write an [n, V] float32 array."""
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1)
+    target = x.gather(1, labels[:, None]).squeeze(1)
+    ce_sum = ((lse - target) * w).sum()
+    correct = x.argmax(dim=-1) == labels
+    if not want_grad:
+        return ce_sum, correct, None
+    onehot = torch.arange(x.shape[1], device=x.device)[None, :] == labels[:, None]
+    grad = ((x - lse[:, None]).exp() - onehot.float()) * w[:, None]
+    return ce_sum, correct, grad.to(logits.dtype)
+
+
+_compiled_chunk = None
+
+
+def cross_entropy_chunk(logits, labels, w, want_grad):
+    """`_cross_entropy_chunk`, compiled once per process on CUDA (dynamic: chunks vary in rows)."""
+    global _compiled_chunk
+    if logits.device.type != "cuda":
+        return _cross_entropy_chunk(logits, labels, w, want_grad)
+    if _compiled_chunk is None:
+        _compiled_chunk = torch.compile(_cross_entropy_chunk, dynamic=True)
+    return _compiled_chunk(logits, labels, w, want_grad)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """sum_i w_i * CE(h_i @ W^T, y_i) with the gradient for h computed chunk by chunk in the
     forward pass: only [N, D] is kept for backward, never [N, V] logits (for a 152K vocab that
@@ -181,17 +211,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         correct = torch.empty(h.shape[0], dtype=torch.bool, device=h.device)
         for start in range(0, h.shape[0], chunk_size):
             part = slice(start, start + chunk_size)
-            logits = (h[part] @ weight.t()).float()
-            rows = torch.arange(logits.shape[0], device=h.device)
-            lse = torch.logsumexp(logits, dim=-1)
-            ce_sum += ((lse - logits[rows, labels[part]]) * w[part]).sum()
-            correct[part] = logits.argmax(-1) == labels[part]
+            part_sum, correct[part], grad_logits = cross_entropy_chunk(h[part] @ weight.t(), labels[part], w[part],
+                                                                       want_grad)
+            ce_sum += part_sum
             if want_grad:
-                # d(w * CE)/d logits = w * (softmax - onehot), built in the logits' own storage
-                probs = logits.sub_(lse[:, None]).exp_()
-                probs[rows, labels[part]] -= 1.0
-                probs.mul_(w[part, None])
-                grad_h[part] = probs.to(h.dtype) @ weight
+                grad_h[part] = grad_logits @ weight
         ctx.save_for_backward(grad_h)
         ctx.mark_non_differentiable(correct)
         return ce_sum, correct

@@ -24,7 +24,7 @@ FAMILIES = [
     ("matmul", ("gemm", "xmma", "cutlass", "cublas", "sm90_", "sm80_", "nvjet", "matmul")),
     ("optimizer", ("adam", "multi_tensor")),
     ("communication", ("nccl",)),
-    ("copy", ("memcpy", "memset", "copy", "cast")),
+    ("copy", ("memcpy", "memset", "copy_kernel", "catarray")),
     ("fused elementwise (compiled)", ("triton_",)),
     ("softmax / loss", ("softmax", "logsumexp", "cross_entropy", "nll")),
     ("reduction", ("reduce", "norm")),

@@ -121,16 +121,6 @@ class FrozenTarget:
             )
         return layers
 
-    def compile_elementwise(self) -> None:
-        """Compile each layer's MLP and norms (fusing SiLU x up and the float32 norm arithmetic);
-        the layer itself stays eager so the feature hooks run as written. Training forward only:
-        decoding keeps the eager target."""
-        for layer in self.layers:
-            for name in ("mlp", "input_layernorm", "post_attention_layernorm"):
-                part = getattr(layer, name, None)
-                if isinstance(part, nn.Module):
-                    part.compile(dynamic=True)
-
     @property
     def hidden_size(self) -> int:
         return self.embed_tokens.weight.shape[1]
