@@ -18,6 +18,11 @@ Each epoch, seeded by (seed, epoch):
 
 Every rank builds the same plan from the same lengths, so no communication is
 needed; a rank reads its own column of the plan.
+
+Resuming with another number of ranks (a node lost or added) continues the epoch: the steps
+already consumed under the earlier count(s) are kept as segments of the epoch, and the rest
+of the epoch is planned over the samples they did not use, so no sample is repeated or
+skipped. Later epochs are planned afresh for the new count.
 """
 
 from __future__ import annotations
@@ -81,11 +86,13 @@ class RankAwareBucketSampler:
         self.num_epochs = num_epochs
         self.epoch = 0
         self.position = 0
+        # earlier parts of the current epoch run with other rank counts: (num_replicas, steps)
+        self.segments: list[tuple[int, int]] = []
         # Lengths below the first boundary join the first bucket, above the last the last one.
         buckets = np.searchsorted(self.boundaries, self.lengths, side="right") - 1
         self._bucket_of = np.clip(buckets, 0, len(self.boundaries) - 1)
         self._fingerprint = self._settings_fingerprint()
-        self._cached: tuple[int, int, EpochPlan] | None = None
+        self._cached: tuple[tuple, EpochPlan] | None = None
 
     # ------------------------------------------------------------------ epoch position
 
@@ -94,9 +101,11 @@ class RankAwareBucketSampler:
         if epoch != self.epoch:
             self.epoch = epoch
             self.position = 0
+            self.segments = []
 
     def steps_per_epoch(self) -> int:
-        """Global steps in the current epoch (packing depends on the shuffle, so it can vary)."""
+        """Global steps in the current epoch (packing depends on the shuffle, so it can vary);
+        after a resume onto another rank count, the steps of the epoch's remaining part."""
         return self._plan().num_steps
 
     def step_batches(self, step: int) -> list[list[int]]:
@@ -144,16 +153,18 @@ class RankAwareBucketSampler:
             "epoch": self.epoch,
             "position": self.position,
             "seed": self.seed,
+            "segments": [list(segment) for segment in self.segments],
             "fingerprint": dict(self._fingerprint),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume exactly where `state` was taken; DataError when data or settings changed."""
+        """Resume exactly where `state` was taken; DataError when data or settings changed. A
+        changed rank count continues the epoch over the samples not yet used."""
         saved = state.get("fingerprint", {})
         changed = [
             f"{key}: {saved.get(key)!r} in the checkpoint, {now!r} now"
             for key, now in self._fingerprint.items()
-            if saved.get(key) != now
+            if saved.get(key) != now and key != "num_replicas"
         ]
         if changed:
             raise DataError("the sampler state does not match this run (" + "; ".join(changed)
@@ -165,6 +176,13 @@ class RankAwareBucketSampler:
         self.seed = int(state["seed"])
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
+        self.segments = [(int(r), int(n)) for r, n in state.get("segments", [])]
+        saved_replicas = int(saved.get("num_replicas", self.num_replicas))
+        if saved_replicas != self.num_replicas:
+            self.segments.append((saved_replicas, self.position))
+            self.position = 0
+            logger.info("resuming epoch %d on %d ranks instead of %d: the rest of the epoch is planned over "
+                        "the samples not yet used", self.epoch + 1, self.num_replicas, saved_replicas)
 
     def _settings_fingerprint(self) -> dict[str, Any]:
         """What the plan depends on besides (seed, epoch); readable so mismatches can be named."""
@@ -182,49 +200,58 @@ class RankAwareBucketSampler:
     # ------------------------------------------------------------------ planning
 
     def _plan(self) -> EpochPlan:
-        """The current epoch's plan, computed once per (seed, epoch)."""
-        key = (self.seed, self.epoch)
-        if self._cached is None or self._cached[:2] != key:
-            self._cached = (*key, self._build_plan(self.epoch))
-        return self._cached[2]
+        """The current epoch's plan (of its remaining part after segments), computed once."""
+        key = (self.seed, self.epoch, tuple(self.segments))
+        if self._cached is None or self._cached[0] != key:
+            self._cached = (key, self._build_plan(self.epoch))
+        return self._cached[1]
 
     def _build_plan(self, epoch: int) -> EpochPlan:
-        rng = np.random.default_rng([self.seed, epoch])
+        unused = np.ones(len(self.lengths), dtype=bool)
+        for part, (replicas, steps) in enumerate(self.segments):
+            earlier = self._plan_part(epoch, part, replicas, unused)
+            unused[earlier.samples[: earlier.bounds[steps * replicas]]] = False
+        return self._plan_part(epoch, len(self.segments), self.num_replicas, unused)
+
+    def _plan_part(self, epoch: int, part: int, replicas: int, unused: np.ndarray) -> EpochPlan:
+        """Plan the `unused` samples for `replicas` ranks; part 0 is the whole epoch."""
+        rng = np.random.default_rng([self.seed, epoch] + ([part] if part else []))
         num_buckets = len(self.boundaries)
-        per_bucket = [self._bucket_steps(b, rng) for b in range(num_buckets)]
+        per_bucket = [self._bucket_steps(b, rng, replicas, unused) for b in range(num_buckets)]
         priority = rng.permutation(num_buckets) if self.shuffle else -np.arange(num_buckets)
         order = interleave_buckets([len(sizes) for _, sizes in per_bucket], priority.tolist())
-        plan = _assemble(per_bucket, order, self.num_replicas)
-        logger.debug("epoch %d: %d steps, per bucket %s", epoch, plan.num_steps,
+        plan = _assemble(per_bucket, order, replicas)
+        logger.debug("epoch %d part %d: %d steps, per bucket %s", epoch, part, plan.num_steps,
                      [len(sizes) for _, sizes in per_bucket])
         return plan
 
-    def _bucket_steps(self, bucket: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-        """(samples in step-then-rank order, batch sizes shaped (steps, num_replicas)) of a bucket."""
-        members = np.flatnonzero(self._bucket_of == bucket)
+    def _bucket_steps(self, bucket: int, rng: np.random.Generator, replicas: int,
+                      unused: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(samples in step-then-rank order, batch sizes shaped (steps, replicas)) of a bucket."""
+        members = np.flatnonzero((self._bucket_of == bucket) & unused)
         if self.shuffle:
             members = rng.permutation(members)
         sizes = pack_batch_sizes(self.lengths[members].tolist(), self.max_tokens, self._positions(members))
-        full_steps = len(sizes) // self.num_replicas
-        full_sizes = np.asarray(sizes[: full_steps * self.num_replicas], dtype=np.int64)
+        full_steps = len(sizes) // replicas
+        full_sizes = np.asarray(sizes[: full_steps * replicas], dtype=np.int64)
         head = int(full_sizes.sum())
-        step_sizes = full_sizes.reshape(full_steps, self.num_replicas)
+        step_sizes = full_sizes.reshape(full_steps, replicas)
         if head == len(members):
             return members, step_sizes
-        tail, tail_sizes = self._balanced_tail(members[head:])
+        tail, tail_sizes = self._balanced_tail(members[head:], replicas)
         return np.concatenate([members[:head], tail]), np.vstack([step_sizes, tail_sizes[None]])
 
-    def _balanced_tail(self, tail: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _balanced_tail(self, tail: np.ndarray, replicas: int) -> tuple[np.ndarray, np.ndarray]:
         """Re-split a partial step's samples over all ranks, longest first, balanced and in budget."""
         in_order = pack_batch_sizes(self.lengths[tail].tolist(), self.max_tokens, self._positions(tail))
         by_length = tail[np.argsort(-self.lengths[tail], kind="stable")]
-        group_sizes = balanced_group_sizes(self.lengths[by_length].tolist(), self.num_replicas, self.max_tokens,
+        group_sizes = balanced_group_sizes(self.lengths[by_length].tolist(), replicas, self.max_tokens,
                                            self._positions(by_length))
-        if len(group_sizes) > self.num_replicas:  # the draft budget can defeat the sorted split
+        if len(group_sizes) > replicas:  # the draft budget can defeat the sorted split
             group_sizes = in_order
         else:
             tail = by_length
-        sizes = np.zeros(self.num_replicas, dtype=np.int64)
+        sizes = np.zeros(replicas, dtype=np.int64)
         sizes[: len(group_sizes)] = group_sizes
         return tail, sizes
 

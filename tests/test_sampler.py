@@ -212,7 +212,6 @@ def test_state_dict_fields():
 
 
 @pytest.mark.parametrize("change, named", [
-    (dict(num_replicas=4), "num_replicas"),
     (dict(max_tokens=512), "max_tokens"),
     (dict(boundaries=[0, 16, 64, 128]), "boundaries"),
     (dict(edit_length=True), "lengths_sha256"),
@@ -275,3 +274,46 @@ def test_draft_budget_below_one_sample_names_the_flags():
     lengths = np.array([10, 20, 30])
     with pytest.raises(DataError, match="--max-draft-positions"):
         make_sampler(lengths, 1, draft_positions=lengths * 4, max_draft_positions=100)
+
+
+def consume(sampler: RankAwareBucketSampler, steps: int | None = None) -> list[int]:
+    """Samples of the next `steps` global steps (all ranks), as the ranks' iterators hand them out."""
+    plan_steps = sampler.steps_per_epoch()
+    stop = plan_steps if steps is None else min(sampler.position + steps, plan_steps)
+    taken = [i for step in range(sampler.position, stop) for batch in sampler.step_batches(step) for i in batch]
+    sampler.position = stop
+    return taken
+
+
+@pytest.mark.parametrize("counts", [(2, 1), (1, 2), (3, 8, 2), (8, 1)])
+@pytest.mark.parametrize("cut", [0, 1, 7])
+def test_resume_on_another_rank_count_uses_every_sample_once(counts, cut):
+    """A node lost or added: the epoch continues on the new rank count over the samples not yet
+    used; later epochs are whole epochs on the new count."""
+    lengths = skewed_lengths(3)
+    sampler = make_sampler(lengths, counts[0])
+    sampler.set_epoch(1)
+    seen = consume(sampler, cut)
+    for replicas in counts[1:]:
+        resumed = make_sampler(lengths, replicas)
+        resumed.load_state_dict(sampler.state_dict())
+        assert resumed.epoch == 1 and resumed.position == 0
+        seen += consume(resumed, cut)
+        sampler = resumed
+    seen += consume(sampler)
+    assert sorted(seen) == list(range(len(lengths))), "every sample of the epoch exactly once"
+    assert max((padded(lengths, b) for s in range(sampler.steps_per_epoch()) for b in sampler.step_batches(s)),
+               default=0) <= MAX_TOKENS
+    sampler.set_epoch(2)
+    assert sampler.segments == [] and sampler.steps_per_epoch() == make_sampler(lengths, counts[-1]).steps_per_epoch()
+
+
+def test_resume_on_the_same_rank_count_is_unchanged_by_the_segment_logic():
+    lengths = skewed_lengths(4)
+    sampler = make_sampler(lengths, 2)
+    sampler.set_epoch(0)
+    consume(sampler, 5)
+    resumed = make_sampler(lengths, 2)
+    resumed.load_state_dict(sampler.state_dict())
+    assert resumed.position == 5 and resumed.segments == []
+    assert epoch_steps(resumed) == epoch_steps(sampler)
