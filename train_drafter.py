@@ -30,13 +30,15 @@ USER_ERRORS = (ConfigError, DataError, TargetError, TopologyError, CheckpointErr
 
 def final_evaluation(config, result, device) -> None:
     """Untrained vs trained drafter on held-out prompts, by real speculative decoding."""
-    from dflash.eval import check_lossless, eval_dtype, evaluate_drafters, write_reports
+    import torch
+
+    from dflash.eval import check_lossless, evaluate_drafters, write_reports
 
     reports = evaluate_drafters(
         config.model.target, config.model.tokenizer,
         {"untrained": result.initial_drafter_dir, "trained": result.drafter_dir},
         config.data.eval_data, config.train.eval_prompts, config.train.eval_max_new_tokens, device,
-        eval_dtype(config.train.eval_dtype),
+        getattr(torch, config.train.eval_dtype),
     )
     write_reports(reports, Path(config.train.output_dir) / "eval.json")
     if not check_lossless(reports):

@@ -4,6 +4,8 @@ Layout under <output_dir>/checkpoints/:
   step_<N>/            DeepSpeed engine files (weights, ZeRO-sharded optimizer, LR schedule),
                        rng_rank<r>.pt per drafter rank, trainer_state.json (written LAST)
   .step_<N>.tmp/       a save in progress; never resumed from, cleared by the next save
+  .universal/step_<N>/ the same state unsharded (DeepSpeed's universal layout), made when a run
+                       resumes on another number of drafter ranks
 A save pauses the step loop only while DeepSpeed hands its state dicts over: they are copied to
 host memory (HostSnapshots) instead of being written. A writer thread then writes and flushes
 every file and marks this rank done; drafter rank 0's writer waits for every rank's mark,
@@ -14,6 +16,7 @@ its error there. Target ranks hold no training state and take no part.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import logging
@@ -31,6 +34,7 @@ from dflash.files import fsync_dir, replace_dir, storage_error, write_text_durab
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
+UNIVERSAL_DIR = ".universal"  # resharding copies; not matched by the step_N listing
 PEERS_TIMEOUT_S = 3600.0  # rank 0 waits this long for the other ranks' files of one save
 
 
@@ -203,6 +207,7 @@ class Checkpointer:
         logger.info("checkpoint %s saved", final)
         for old in _complete_checkpoints(self.root)[:-self.keep]:
             shutil.rmtree(old, ignore_errors=True)
+            shutil.rmtree(self.root / UNIVERSAL_DIR / old.name, ignore_errors=True)
         fsync_dir(self.root)
 
 
@@ -222,12 +227,54 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return complete[-1] if complete else None
 
 
-def load_checkpoint(engine, path: Path, drafter_rank: int) -> dict:
-    """Restore engine, optimizer, LR schedule and this rank's RNG; return the trainer state."""
-    engine.load_checkpoint(str(path.parent), tag=path.name)
-    rng = torch.load(path / f"rng_rank{drafter_rank}.pt", weights_only=False)
-    torch.set_rng_state(rng["cpu"])
-    if rng["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["cuda"])
-    return json.loads((path / STATE_FILE).read_text())
+def saved_drafter_ranks(path: Path) -> int:
+    """How many drafter ranks wrote the checkpoint at `path`."""
+    state = json.loads((path / STATE_FILE).read_text())
+    return int(state["sampler"]["fingerprint"]["num_replicas"])
 
+
+def universal_copy(path: Path, group) -> Path:
+    """The checkpoint at `path` in DeepSpeed's universal layout (full, unsharded fp32 weights and
+    Adam moments per parameter), which loads onto any number of ranks. Drafter rank 0 converts
+    it once into checkpoints/.universal/step_N (atomically); the others wait."""
+    target = path.parent / UNIVERSAL_DIR / path.name
+    if dist.get_rank(group) == 0 and not target.is_dir():
+        from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+        staging = target.parent / f".{path.name}.tmp"
+        shutil.rmtree(staging, ignore_errors=True)
+        started = time.perf_counter()
+        ds_to_universal(argparse.Namespace(
+            input_folder=str(path), output_folder=str(staging), num_extract_workers=1, num_merge_workers=1,
+            keep_temp_folder=False, strict=True, inject_missing_state=True))
+        replace_dir(staging, target)
+        logger.info("converted %s to the universal layout in %.1f s (%s)", path, time.perf_counter() - started,
+                    target)
+    dist.barrier(group=group)
+    return target
+
+
+def load_checkpoint(engine, path: Path, drafter_rank: int, num_drafters: int, seed: int, group=None) -> dict:
+    """Restore engine, optimizer, LR schedule and this rank's RNG; return the trainer state.
+
+    Written by another number of drafter ranks, the ZeRO-sharded state is loaded from its
+    universal copy (the engine must have been built with checkpoint.load_universal, see
+    train.deepspeed_config) and ranks without an RNG file of their own are seeded from
+    (seed, step, rank)."""
+    state = json.loads((path / STATE_FILE).read_text())
+    saved = saved_drafter_ranks(path)
+    if saved == num_drafters:
+        engine.load_checkpoint(str(path.parent), tag=path.name)
+    else:
+        universal = universal_copy(path, group)
+        engine.load_checkpoint(str(universal.parent), tag=universal.name)
+        logger.info("checkpoint of %d drafter ranks resharded onto %d", saved, num_drafters)
+    rng_file = path / f"rng_rank{drafter_rank}.pt"
+    if rng_file.is_file():
+        rng = torch.load(rng_file, weights_only=False)
+        torch.set_rng_state(rng["cpu"])
+        if rng["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    else:
+        torch.manual_seed((seed * 1_000_003 + engine.global_steps) * 1_009 + drafter_rank)
+    return state

@@ -157,16 +157,31 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+TRAIN_EVAL_FLAGS = {"prompts": "--eval-data", "num": "--eval-prompts", "tokens": "--eval-max-new-tokens",
+                    "dtype": "--eval-dtype"}
+EVAL_FLAGS = {"prompts": "--prompts", "num": "--num-prompts", "tokens": "--max-new-tokens", "dtype": "--dtype"}
+
+
+def check_eval_flags(prompts: str | None, num_prompts: int, max_new_tokens: int, dtype: str,
+                     names: dict[str, str], min_prompts: int) -> None:
+    """The evaluation checks `train_drafter.py --eval-*` and `python -m dflash.eval` share, each
+    flag named as its own command spells it; the prompt file is read now (a bad file found after
+    a day of training costs the day's evaluation)."""
+    _require(num_prompts >= min_prompts, f"{names['num']} {num_prompts}: use at least {min_prompts}")
+    _require(max_new_tokens >= 1, f"{names['tokens']} {max_new_tokens}: use at least 1")
+    _require(dtype in ("float32", "bfloat16"), f"{names['dtype']} {dtype}: use float32 or bfloat16")
+    if prompts is not None and num_prompts > 0:
+        _require(Path(prompts).is_file(), f"{names['prompts']} {prompts}: no such file; pass a chat JSONL file")
+        load_chat_jsonl(prompts)
+
+
 def validate(config: RunConfig) -> None:
     """Checks that need no model or data: they fail in a second, not after loading."""
     m, d, t = config.model, config.data, config.train
     _require(Path(m.target).is_dir(), f"--target {m.target}: no such folder; pass a local HF model folder")
     _require(Path(m.tokenizer).is_dir(), f"--tokenizer {m.tokenizer}: no such folder")
     _require(Path(d.train_data).is_file(), f"--train-data {d.train_data}: no such file; pass a chat JSONL file")
-    if d.eval_data is not None:
-        _require(Path(d.eval_data).is_file(), f"--eval-data {d.eval_data}: no such file")
-        if t.eval_prompts > 0:  # read now: a bad file found after a day of training costs the day's eval
-            load_chat_jsonl(d.eval_data)
+    check_eval_flags(d.eval_data, t.eval_prompts, t.eval_max_new_tokens, t.eval_dtype, TRAIN_EVAL_FLAGS, min_prompts=0)
     _require(d.overflow in ("truncate", "drop"), f"--overflow {d.overflow}: use truncate or drop")
     _require(d.on_bad_sample in ("skip", "error"), f"--on-bad-sample {d.on_bad_sample}: use skip or error")
     _require(0 <= d.max_bad_fraction <= 1, f"--max-bad-fraction {d.max_bad_fraction}: use a fraction in [0, 1]")
@@ -192,7 +207,6 @@ def validate(config: RunConfig) -> None:
     _require(t.grad_accum >= 1, f"--grad-accum {t.grad_accum}: need at least 1")
     _require(t.report_to in ("wandb", "none"), f"--report-to {t.report_to}: use wandb or none")
     _require(t.kl_weight >= 0 and t.feature_noise_std >= 0, "--kl-weight and --feature-noise-std must be >= 0")
-    _require(t.eval_dtype in ("float32", "bfloat16"), f"--eval-dtype {t.eval_dtype}: use float32 or bfloat16")
     _require(t.device in ("auto", "cpu", "cuda"), f"--device {t.device}: use auto, cpu or cuda")
     _require(t.precision in ("auto", "bf16", "fp32"), f"--precision {t.precision}: use auto, bf16 or fp32")
     _require(math.isfinite(t.lr) and t.lr > 0, f"--lr {t.lr}: use a positive learning rate (recipe 6e-4)")

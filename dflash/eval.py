@@ -22,6 +22,7 @@ import torch
 from transformers import HfArgumentParser
 
 from dflash.attention import BlockLayout, resolve_backend
+from dflash.config import EVAL_FLAGS, check_eval_flags
 from dflash.data import DataError, load_chat_jsonl, load_tokenizer, prompt_ids
 from dflash.demo import DEMO_HELDOUT_DATA, DEMO_TARGET_DIR
 from dflash.distributed import pick_device, setup_logging
@@ -181,12 +182,6 @@ def evaluate_drafters(
     return reports
 
 
-def eval_dtype(name: str) -> torch.dtype:
-    if name not in ("float32", "bfloat16"):
-        raise ValueError(f"--dtype {name}: use float32 or bfloat16")
-    return getattr(torch, name)
-
-
 def check_lossless(reports: dict[str, EvalReport]) -> bool:
     """In float32 any difference from greedy decoding is a bug. In bfloat16 a B-token verify
     and 1-token steps round differently, so near-tied logits can flip: reported, not fatal."""
@@ -213,13 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     (args,) = HfArgumentParser(EvalArgs).parse_args_into_dataclasses(argv)
     setup_logging(0)
     try:
-        if args.num_prompts < 1 or args.max_new_tokens < 1:
-            raise ValueError(f"--num-prompts {args.num_prompts} and --max-new-tokens {args.max_new_tokens}: "
-                             "use at least 1 of each")
+        check_eval_flags(args.prompts, args.num_prompts, args.max_new_tokens, args.dtype, EVAL_FLAGS, min_prompts=1)
         device = pick_device(args.device, 0)
         reports = evaluate_drafters(
             args.target, args.tokenizer or args.target, {"drafter": args.drafter}, args.prompts,
-            args.num_prompts, args.max_new_tokens, device, eval_dtype(args.dtype),
+            args.num_prompts, args.max_new_tokens, device, getattr(torch, args.dtype),
         )
     except EVAL_ERRORS as err:  # a user's mistake: one line, no traceback
         print(f"error: {err}", file=sys.stderr)

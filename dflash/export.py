@@ -2,8 +2,10 @@
 
 config.json: a Qwen3 config (num_hidden_layers = drafter layers) plus
   architectures ["DFlashDraftModel"], block_size, num_target_layers,
-  dflash_config {mask_token_id, target_layer_ids}, and eagle_aux_hidden_state_layer_ids
-  (target_layer_ids + 1, the form vLLM takes as is).
+  dflash_config {mask_token_id, target_layer_ids, block_size}, and
+  eagle_aux_hidden_state_layer_ids (target_layer_ids + 1, the form vLLM takes as is).
+Layer ids: target layer id i is the OUTPUT of decoder layer i, which is HF `hidden_states[i + 1]`
+(`hidden_states[0]` is the embedding output) and the input of layer i + 1.
 model.safetensors: top-level names (`layers.N.self_attn.q_proj.weight`, `fc.weight`,
   `hidden_norm.weight`, `norm.weight`, ...); no embedding, no lm_head (they are the target's).
 """
@@ -36,6 +38,8 @@ def exported_config(drafter: DFlashDrafter) -> dict:
     # vLLM reads this key as is (older builds read only it) and otherwise adds 1 to
     # dflash_config.target_layer_ids: both say "the output of target layer i" = hidden_states[i + 1]
     config["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in drafter.config.dflash_config["target_layer_ids"]]
+    # some loaders read the block size from dflash_config, others from the top level
+    config["dflash_config"] = {**drafter.config.dflash_config, "block_size": drafter.config.block_size}
     config["architectures"] = ["DFlashDraftModel"]
     config["model_type"] = "qwen3"
     config["dtype"] = str(next(drafter.parameters()).dtype).removeprefix("torch.")
@@ -84,6 +88,7 @@ def load_drafter(path: str | Path, dtype: torch.dtype | None = None) -> DFlashDr
     if missing:
         raise DrafterLoadError(f"{config_file}: not a DFlash drafter config (missing {missing})")
     extras = {name: raw.pop(name) for name in DFLASH_FIELDS}
+    extras["dflash_config"] = {k: v for k, v in extras["dflash_config"].items() if k != "block_size"}  # a copy
     for legacy in ("rope_theta", "rope_scaling", "eagle_aux_hidden_state_layer_ids"):  # derived on export
         raw.pop(legacy, None)
     try:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dflash.attention import resolve_backend
-from dflash.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
+from dflash.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint, saved_drafter_ranks
 from dflash.config import REPO_ROOT, ConfigError, RunConfig, earlier_run_files
 from dflash.data import TokenDataset, load_tokenizer, prepare_dataset
 from dflash.distributed import RankInfo
@@ -101,17 +101,46 @@ def train_dtype(config: RunConfig, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if precision == "bf16" else torch.float32
 
 
-def lr_lambda(total_steps: int, warmup_ratio: float):
-    """Linear warmup over warmup_ratio of the steps, then cosine decay to 0."""
-    warmup = max(1, int(round(total_steps * warmup_ratio)))
+class LRSchedule:
+    """Linear warmup over warmup_ratio of the steps, then cosine decay to 0 (a LambdaLR factor).
 
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total_steps - warmup)
+    A callable object, so LambdaLR's state_dict (and so every checkpoint) carries it. A resume
+    onto another number of drafter ranks changes how many steps are left; `rebase` spreads them
+    over the rest of the same curve, so the learning rate continues where it was.
+    """
+
+    def __init__(self, total_steps: int, warmup_ratio: float):
+        self.total_steps = total_steps
+        self.warmup = max(1, int(round(total_steps * warmup_ratio)))
+        self.base_step, self.base_position, self.scale = 0, 0.0, 1.0  # step -> position on the curve
+
+    def position(self, step: int) -> float:
+        return self.base_position + (step - self.base_step) * self.scale
+
+    def __call__(self, step: int) -> float:
+        at = self.position(step)
+        if at < self.warmup:
+            return (at + 1) / self.warmup
+        progress = (at - self.warmup) / max(1, self.total_steps - self.warmup)
         return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
-    return factor
+    def last_step(self) -> int:
+        """The step at which the curve reaches its end (the run's total)."""
+        return int(round(self.base_step + (self.total_steps - self.base_position) / self.scale))
+
+    def rebase(self, step: int, total_steps: int) -> None:
+        """From `step` on, the run has `total_steps` in all; the same total leaves the curve as is."""
+        at = self.position(step)
+        self.base_step, self.base_position = step, at
+        self.scale = (self.total_steps - at) / (total_steps - step) if total_steps > step else 1.0
+
+
+def planned_total_steps(config: RunConfig, steps_per_epoch: int, done: int = 0, epoch: int = 0,
+                        rest_of_epoch: int | None = None) -> int:
+    """Optimizer steps of the whole run: `done`, the rest of `epoch`, then whole epochs."""
+    rest = steps_per_epoch if rest_of_epoch is None else rest_of_epoch
+    total = done + rest + steps_per_epoch * (config.train.epochs - epoch - 1)
+    return min(total, config.train.max_steps) if config.train.max_steps > 0 else total
 
 
 def anchor_generator(seed: int, epoch: int, step: int, drafter_rank: int) -> torch.Generator:
@@ -227,6 +256,9 @@ def train_drafter_rank(config, ranks, topology, dcfg, dataset, source, data_grou
     embed, lm_head = frozen_embedding_and_head(config, dcfg, target, device)
     anchors = np.maximum(np.minimum(dataset.anchor_candidates(), config.train.max_anchors), 1)
     ds_config = deepspeed_config(config, device)
+    newest = latest_checkpoint(out_dir) if config.train.resume else None
+    if newest is not None and saved_drafter_ranks(newest) != len(topology.drafter_ranks):
+        ds_config["checkpoint"]["load_universal"] = True  # ZeRO state resharded from the universal copy
     max_positions = draft_position_limit(config, dcfg, drafter, ds_config, len(topology.drafter_ranks), device,
                                          is_main)
     sampler = RankAwareBucketSampler(
@@ -235,9 +267,7 @@ def train_drafter_rank(config, ranks, topology, dcfg, dataset, source, data_grou
         draft_positions=anchors * dcfg.block_size if max_positions else None, max_draft_positions=max_positions,
     )
     steps_per_epoch = math.ceil(sampler.steps_per_epoch() / config.train.grad_accum)
-    total_steps = steps_per_epoch * config.train.epochs
-    if config.train.max_steps > 0:
-        total_steps = min(total_steps, config.train.max_steps)
+    total_steps = planned_total_steps(config, steps_per_epoch)
 
     initial_dir = out_dir / "drafter-init"
     if is_main:
@@ -246,7 +276,8 @@ def train_drafter_rank(config, ranks, topology, dcfg, dataset, source, data_grou
         drafter.parameters(), lr=config.train.lr, betas=(0.9, 0.95), weight_decay=config.train.weight_decay,
         fused=device.type == "cuda",
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total_steps, config.train.warmup_ratio))
+    lr_schedule = LRSchedule(total_steps, config.train.warmup_ratio)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule)
     engine, _, _, _ = deepspeed.initialize(
         model=drafter, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
         mpu=DrafterParallelism(data_group, self_group, topology.drafter_ranks),
@@ -267,7 +298,16 @@ def train_drafter_rank(config, ranks, topology, dcfg, dataset, source, data_grou
         )
     metrics = MetricsLogger(out_dir, config.train.report_to, config.train.wandb_mode, _flat_config(config),
                             enabled=is_main)
-    start_epoch = resume(config, engine, sampler, drafter_rank) if config.train.resume else 0
+    start_epoch = 0
+    if config.train.resume:
+        start_epoch, other_rank_count = resume(config, engine, sampler, drafter_rank, data_group)
+        if other_rank_count:  # the rest of the epoch was planned anew: stretch the LR curve over it
+            total_steps = planned_total_steps(
+                config, steps_per_epoch, done=engine.global_steps, epoch=start_epoch,
+                rest_of_epoch=math.ceil(sampler.steps_per_epoch() / config.train.grad_accum))
+            lr_schedule.rebase(engine.global_steps, total_steps)
+        else:
+            total_steps = lr_schedule.last_step()
     checkpointer = Checkpointer(engine, out_dir, config.train.save_every, config.train.keep_checkpoints, drafter_rank,
                                 len(topology.drafter_ranks), data_group)
     guard = SpikeGuard(config.train.spike_factor, group=data_group)
@@ -305,8 +345,9 @@ def train_drafter_rank(config, ranks, topology, dcfg, dataset, source, data_grou
             if engine.skipped_steps != skipped_before and is_main:
                 logger.warning("optimizer step %d skipped: the gradient norm was not finite (%d skipped so far)",
                                engine.global_steps, engine.skipped_steps)
-            window.add(out, tokens=int(dataset.lengths[indices].sum()) if indices else 0,
-                       flops=micro_batch_flops(shapes, dataset.lengths[indices], anchors[indices], with_target=True))
+            if batch is not None:  # an empty micro-batch's zero loss is no sample of the loss
+                window.add(out, tokens=int(dataset.lengths[indices].sum()),
+                           flops=micro_batch_flops(shapes, dataset.lengths[indices], anchors[indices], with_target=True))
             boundary = engine.global_steps != before
             if boundary:
                 window.add_grad_norm(engine.get_global_grad_norm())
@@ -381,16 +422,19 @@ def draft_position_limit(config: RunConfig, dcfg, drafter, ds_config: dict, draf
     return budget.max_draft_positions
 
 
-def resume(config: RunConfig, engine, sampler: RankAwareBucketSampler, drafter_rank: int) -> int:
-    """Load the newest complete checkpoint, if any; return the epoch to continue in."""
+def resume(config: RunConfig, engine, sampler: RankAwareBucketSampler, drafter_rank: int,
+           group) -> tuple[int, bool]:
+    """Load the newest complete checkpoint, if any; return the epoch to continue in and whether
+    it was written by another number of drafter ranks."""
     path = latest_checkpoint(config.train.output_dir)
     if path is None:
         logger.info("--resume: no complete checkpoint under %s, starting from scratch", config.train.output_dir)
-        return 0
-    state = load_checkpoint(engine, path, drafter_rank)
+        return 0, False
+    state = load_checkpoint(engine, path, drafter_rank, sampler.num_replicas, config.train.seed, group)
+    saved_ranks = int(state["sampler"]["fingerprint"].get("num_replicas", sampler.num_replicas))
     sampler.load_state_dict(state["sampler"])
     logger.info("resumed from %s at step %d, %s", path, engine.global_steps, sampler.progress())
-    return int(state["sampler"]["epoch"])
+    return int(state["sampler"]["epoch"]), saved_ranks != sampler.num_replicas
 
 
 def routing_report(served_by: dict[int, int], topology: Topology, data_group) -> str:

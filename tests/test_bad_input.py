@@ -149,3 +149,15 @@ def test_a_truncated_target_weight_file_is_named(tmp_path):
         FrozenTarget.load(str(folder), [1, 2], torch.float32, torch.device("cpu"))
     with pytest.raises(TargetError, match="model.safetensors.*truncated or corrupt"):
         FrozenTarget.load_embedding_and_head(str(folder), torch.float32, torch.device("cpu"))
+
+
+def test_train_and_eval_share_the_evaluation_checks(capsys, paths, tmp_path):
+    """One rule set, each flag named as its own command spells it."""
+    fails_with(capsys, ["--target", paths["target"], "--train-data", paths["data"], "--eval-max-new-tokens", "0"],
+               "--eval-max-new-tokens 0: use at least 1")
+    eval_fails_with(capsys, ["--max-new-tokens", "0"], "--max-new-tokens 0: use at least 1")
+    fails_with(capsys, ["--target", paths["target"], "--train-data", paths["data"], "--eval-dtype", "half"],
+               "--eval-dtype half: use float32 or bfloat16")
+    missing = tmp_path / "missing.jsonl"
+    eval_fails_with(capsys, ["--prompts", str(missing)], f"--prompts {missing}: no such file")
+    eval_fails_with(capsys, ["--num-prompts", "0"], "--num-prompts 0: use at least 1")

@@ -125,7 +125,7 @@ def test_export_round_trip(tmp_path):
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
     assert config["block_size"] == 8 and config["num_target_layers"] == 6
-    assert config["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": target.layer_ids}
+    assert config["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": target.layer_ids, "block_size": 8}
     # vLLM takes this key as is and otherwise adds 1 to target_layer_ids: an off-by-one here
     # loads without error and silently collapses acceptance
     assert config["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in target.layer_ids]

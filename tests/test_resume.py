@@ -63,3 +63,44 @@ def test_sigkill_and_resume_reproduces_the_uninterrupted_run(tiny_setup, tmp_pat
     for step in range(start + 1, STEPS + 1):
         assert got[step] == expected[step], (step, got[step], expected[step])
     assert (resumed / "checkpoints" / f"step_{STEPS}" / STATE_FILE).is_file()
+
+
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)], ids=["2-to-1", "1-to-2"])
+def test_resume_on_another_number_of_drafter_ranks(tmp_path, before, after):
+    """A node lost or added: the ZeRO-sharded state is resharded through DeepSpeed's universal
+    layout, the epoch continues over the samples not yet used (tests/test_sampler.py pins that
+    exactly), the learning rate stays on its curve and the loss goes on without a jump. On the
+    demo target and data, which a drafter learns quickly (random data would not show a jump)."""
+    import torch
+
+    from dflash.train import LRSchedule
+
+    steps, out = 24, tmp_path / "run"
+    args = ["--output-dir", str(out), "--max-steps", str(steps), "--save-every", "12", "--log-every", "1",
+            "--eval-prompts", "0", "--report-to", "none", "--target-ranks", "colocated"]
+    kill_after_first_checkpoint(start_ranks(args, before), 0, out)
+    checkpoint = latest_checkpoint(out)
+    start = int(checkpoint.name.removeprefix("step_"))
+    proc = run_trainer([*args, "--resume"], nproc=after if after > 1 else 0)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"checkpoint of {before} drafter ranks resharded onto {after}" in proc.stderr
+    assert f"on {after} ranks instead of {before}" in proc.stderr
+
+    records = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    assert sorted(records) == list(range(1, steps + 1))
+    assert records[steps]["drafter_ranks"] == after
+    schedule = LRSchedule(steps, 0.04)  # --max-steps fixes the curve whatever the rank count
+    for step, record in records.items():
+        assert record["lr"] == pytest.approx(6e-4 * schedule(step), rel=1e-9), step
+    # the trained state came along: the steps after the resume keep the progress made before it
+    first, last_before = records[1]["loss"], records[start]["loss"]
+    after_resume = [records[step]["loss"] for step in range(start + 1, start + 4)]
+    assert first - last_before > 2.0, "the run must have learned before the kill"
+    assert max(after_resume) < last_before + 0.2 * (first - last_before), (first, last_before, after_resume)
+    # the universal copy holds exactly the weights the sharded checkpoint saved
+    universal = checkpoint.parent / ".universal" / checkpoint.name
+    saved = torch.load(checkpoint / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    for name, weight in saved.items():
+        full = torch.load(universal / "zero" / name / "fp32.pt", weights_only=False)
+        full = full["param"] if isinstance(full, dict) else full
+        assert torch.equal(full.to(weight.dtype).reshape(weight.shape), weight), name
