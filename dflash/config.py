@@ -47,6 +47,7 @@ class DataArgs:
     max_bad_fraction: float = field(default=0.01, metadata={"help": "with skip: more bad samples than this fraction stops the run"})
     bucket_boundaries: list[int] = field(default_factory=lambda: list(DEFAULT_BUCKETS))
     max_tokens: int | None = field(default=None, metadata={"help": "padded tokens per micro-batch (recipe 8192, demo 2048)"})
+    prepare_workers: int = field(default=0, metadata={"help": "processes tokenizing the data (0: all cores for files of 8 MB and more, else 1)"})
     max_draft_positions: int | None = field(default=None, metadata={"help": "padded draft positions (anchors x B) per micro-batch; default: from the memory model on a GPU, no limit on CPU; 0: no limit"})
 
 
@@ -101,8 +102,9 @@ class RunConfig:
         return self.model.target is None or Path(self.model.target).resolve() == DEMO_TARGET_DIR.resolve()
 
 
-def parse_config(argv: list[str] | None = None) -> RunConfig:
-    """Flags, or a single .json/.yaml file holding the same names."""
+def parse_config(argv: list[str] | None = None, for_training: bool = True) -> RunConfig:
+    """Flags, or a single .json/.yaml file holding the same names. `for_training=False`
+    (the data tools) leaves out the checks about an earlier run in --output-dir."""
     argv = _without_launcher_flags(sys.argv[1:] if argv is None else argv)
     parser = HfArgumentParser((ModelArgs, DataArgs, TrainArgs))
     if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
@@ -112,7 +114,7 @@ def parse_config(argv: list[str] | None = None) -> RunConfig:
         model, data, train = parser.parse_args_into_dataclasses(argv)
     config = RunConfig(model, data, train)
     fill_defaults(config)
-    validate(config)
+    validate(config, for_training)
     return config
 
 
@@ -175,7 +177,7 @@ def check_eval_flags(prompts: str | None, num_prompts: int, max_new_tokens: int,
         load_chat_jsonl(prompts)
 
 
-def validate(config: RunConfig) -> None:
+def validate(config: RunConfig, for_training: bool = True) -> None:
     """Checks that need no model or data: they fail in a second, not after loading."""
     m, d, t = config.model, config.data, config.train
     _require(Path(m.target).is_dir(), f"--target {m.target}: no such folder; pass a local HF model folder")
@@ -184,6 +186,7 @@ def validate(config: RunConfig) -> None:
     check_eval_flags(d.eval_data, t.eval_prompts, t.eval_max_new_tokens, t.eval_dtype, TRAIN_EVAL_FLAGS, min_prompts=0)
     _require(d.overflow in ("truncate", "drop"), f"--overflow {d.overflow}: use truncate or drop")
     _require(d.on_bad_sample in ("skip", "error"), f"--on-bad-sample {d.on_bad_sample}: use skip or error")
+    _require(d.prepare_workers >= 0, f"--prepare-workers {d.prepare_workers}: use 0 (auto) or a process count")
     _require(0 <= d.max_bad_fraction <= 1, f"--max-bad-fraction {d.max_bad_fraction}: use a fraction in [0, 1]")
     _require(m.num_draft_layers >= 1, f"--num-draft-layers {m.num_draft_layers}: need at least 1")
     _require(2 <= m.block_size <= d.max_length,
@@ -222,7 +225,7 @@ def validate(config: RunConfig) -> None:
     _require(t.transport_timeout_s > 0 and t.dist_timeout_minutes > 0,
              "--transport-timeout-s and --dist-timeout-minutes must be > 0")
     _require(not (t.resume and t.overwrite), "--resume and --overwrite exclude each other: continue the run, or start afresh")
-    earlier = earlier_run_files(Path(t.output_dir))
+    earlier = earlier_run_files(Path(t.output_dir)) if for_training else []
     _require(not earlier or t.resume or t.overwrite,
              f"--output-dir {t.output_dir} holds an earlier run ({', '.join(earlier)}): pass --resume to continue it, "
              "--overwrite to start afresh there, or another --output-dir")

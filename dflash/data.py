@@ -11,10 +11,14 @@ Pipeline:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
+import multiprocessing
+import os
 import shutil
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,6 +44,8 @@ BAD_SAMPLES_FILE = "bad_samples.txt"
 # (no tokenizer we know has longer tokens), so it is cut before tokenizing: a 14 MB line
 # then costs what a max_length one does.
 MAX_CHARS_PER_TOKEN = 64
+PARALLEL_FROM_BYTES = 8 * 2**20  # smaller files are tokenized in one process
+PROGRESS_EVERY_S = 10.0
 
 MANIFEST = "manifest.json"
 IDS_FILE = "ids.bin"
@@ -60,6 +66,9 @@ class SampleError(DataError):
     def __init__(self, message: str, reason: str) -> None:
         super().__init__(message)
         self.reason = reason  # a short category, for the counts
+
+    def __reduce__(self):  # travels back from tokenizer worker processes
+        return SampleError, (str(self), self.reason)
 
 
 # ---------------------------------------------------------------------------
@@ -222,16 +231,22 @@ def load_tokenizer(name_or_path: str | Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: Messages) -> list[int]:
-    """Token ids of the conversation up to its last non-assistant turn, with the generation
-    prompt: what a model is given to produce the final assistant reply (for evaluation)."""
-    _require_chat_template(tokenizer)
+def prompt_messages(messages: Messages) -> Messages:
+    """The conversation up to its last non-assistant turn: what the final reply answers."""
     end = len(messages)
     while end > 0 and messages[end - 1]["role"] == "assistant":
         end -= 1
     if end == 0:
         raise DataError("conversation has no user turn to prompt with")
-    return _render_ids(tokenizer, messages[:end], add_generation_prompt=True)
+    return messages[:end]
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: Messages, **template_kwargs) -> list[int]:
+    """Token ids of the conversation up to its last non-assistant turn, with the generation
+    prompt: what a model is given to produce the final assistant reply (evaluation,
+    regeneration). `template_kwargs` go to the chat template (e.g. enable_thinking)."""
+    _require_chat_template(tokenizer)
+    return _render_ids(tokenizer, prompt_messages(messages), add_generation_prompt=True, **template_kwargs)
 
 
 def _require_chat_template(tokenizer: PreTrainedTokenizerBase) -> None:
@@ -240,18 +255,21 @@ def _require_chat_template(tokenizer: PreTrainedTokenizerBase) -> None:
                         "pass a tokenizer with a chat template (--tokenizer)")
 
 
-def _render_text(tokenizer: PreTrainedTokenizerBase, messages: Messages, add_generation_prompt: bool) -> str:
+def _render_text(tokenizer: PreTrainedTokenizerBase, messages: Messages, add_generation_prompt: bool,
+                 **template_kwargs) -> str:
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **template_kwargs)
     except (jinja2.TemplateError, ValueError) as err:
         raise SampleError(f"the chat template failed to render a conversation prefix ({err}); "
                           "check the data or pass a different --tokenizer", "template error") from err
 
 
-def _render_ids(tokenizer: PreTrainedTokenizerBase, messages: Messages, add_generation_prompt: bool) -> list[int]:
+def _render_ids(tokenizer: PreTrainedTokenizerBase, messages: Messages, add_generation_prompt: bool,
+                **template_kwargs) -> list[int]:
     """Render with the chat template as text, then tokenize without adding extra specials."""
     # The template already writes any BOS; add_special_tokens would duplicate it.
-    text = _render_text(tokenizer, messages, add_generation_prompt)
+    text = _render_text(tokenizer, messages, add_generation_prompt, **template_kwargs)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -322,8 +340,10 @@ def prepare_dataset(
     overflow: str = "truncate",
     on_bad_sample: str = "skip",
     max_bad_fraction: float = 0.01,
+    workers: int = 0,
 ) -> Path:
-    """Tokenize a chat JSONL file into a shard directory and return its path.
+    """Tokenize a chat JSONL file into a shard directory and return its path (`workers`
+    processes; 0: `default_prepare_workers`).
 
     A shard that is already up to date for this source file, tokenizer and
     settings is reused. The shard is written to a temporary directory and
@@ -355,8 +375,13 @@ def prepare_dataset(
     _check_replaceable(out)
     staging = staging_dir(out)
     try:
+        workers = workers or default_prepare_workers(source)
+        started = time.perf_counter()
         stats, lengths = _write_token_files(staging, source, tokenizer, max_length, overflow,
-                                            on_bad_sample, max_bad_fraction)
+                                            on_bad_sample, max_bad_fraction, workers)
+        seconds = time.perf_counter() - started
+        logger.info("tokenized %d samples in %.1f s (%.0f samples/s, %d process%s)", stats.samples_read, seconds,
+                    stats.samples_read / max(seconds, 1e-9), workers, "es" if workers > 1 else "")
         write_index_and_manifest(staging, lengths, stats, settings)
         replace_dir(staging, out)
     except BaseException:
@@ -416,22 +441,24 @@ def _write_token_files(
     overflow: str,
     on_bad_sample: str,
     max_bad_fraction: float,
+    workers: int = 1,
 ) -> tuple[PrepareStats, list[int]]:
-    """Stream every kept sample into ids.bin / loss_mask.bin; return stats and sample lengths."""
+    """Stream every kept sample into ids.bin / loss_mask.bin; return stats and sample lengths.
+    Lines are tokenized by `workers` processes (in file order, so the shard is the same)."""
     stats, lengths, bad = PrepareStats(), [], []
-    with (staging / IDS_FILE).open("wb") as ids_file, (staging / LOSS_MASK_FILE).open("wb") as mask_file:
-        for lineno, raw in _iter_lines(source):
+    progress = _Progress(source)
+    with (staging / IDS_FILE).open("wb") as ids_file, (staging / LOSS_MASK_FILE).open("wb") as mask_file, \
+            _tokenized_lines(source, tokenizer, max_length * MAX_CHARS_PER_TOKEN, workers) as results:
+        for result in results:
             stats.samples_read += 1
-            where = f"{source}:{lineno}"
-            try:
-                ids, mask = tokenize_conversation(tokenizer, parse_line(raw, where), max_length * MAX_CHARS_PER_TOKEN)
-            except SampleError as err:
-                message = str(err) if str(err).startswith(where) else f"{where}: {err}"
+            progress.update(stats.samples_read)
+            if isinstance(result, SampleError):
                 if on_bad_sample == "error":
-                    raise DataError(f"{message} (--on-bad-sample skip would skip it)") from err
-                bad.append((err.reason, message))
-                stats.bad_reasons[err.reason] = stats.bad_reasons.get(err.reason, 0) + 1
+                    raise DataError(f"{result} (--on-bad-sample skip would skip it)") from result
+                bad.append((result.reason, str(result)))
+                stats.bad_reasons[result.reason] = stats.bad_reasons.get(result.reason, 0) + 1
                 continue
+            ids, mask = result
             truncated = len(ids) > max_length
             if truncated and overflow == "drop":
                 stats.samples_dropped += 1
@@ -455,6 +482,65 @@ def _write_token_files(
                         f"--max-length={max_length} or no assistant token within it); raise "
                         "--max-length or use --overflow truncate")
     return stats, lengths
+
+
+def _tokenize_line(item: tuple[int, bytes], source: Path, tokenizer, max_chars: int):
+    """(ids, mask) of one line, or the SampleError naming it (file:line)."""
+    lineno, raw = item
+    where = f"{source}:{lineno}"
+    try:
+        return tokenize_conversation(tokenizer, parse_line(raw, where), max_chars)
+    except SampleError as err:
+        message = str(err) if str(err).startswith(where) else f"{where}: {err}"
+        return SampleError(message, err.reason)
+
+
+_worker_args: tuple = ()
+
+
+def _init_worker(source: Path, tokenizer, max_chars: int) -> None:
+    global _worker_args
+    _worker_args = (source, tokenizer, max_chars)
+
+
+def _tokenize_in_worker(item: tuple[int, bytes]):
+    return _tokenize_line(item, *_worker_args)
+
+
+@contextlib.contextmanager
+def _tokenized_lines(source: Path, tokenizer, max_chars: int, workers: int):
+    """Every line's tokenization result, in file order, from this process or a pool. Spawned
+    (not forked) workers: the parent may hold threads (tokenizers, process groups)."""
+    if workers <= 1:
+        yield (_tokenize_line(item, source, tokenizer, max_chars) for item in _iter_lines(source))
+        return
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(workers, initializer=_init_worker, initargs=(source, tokenizer, max_chars)) as pool:
+        yield pool.imap(_tokenize_in_worker, _iter_lines(source), chunksize=64)
+
+
+def default_prepare_workers(source: Path) -> int:
+    """All cores (up to 32) for files worth it; one process for small files, where starting a
+    pool costs more than it saves."""
+    try:
+        size = source.stat().st_size
+    except OSError:
+        return 1
+    return 1 if size < PARALLEL_FROM_BYTES else max(1, min(os.cpu_count() or 1, 32))
+
+
+class _Progress:
+    """A throughput line every PROGRESS_EVERY_S seconds while tokenizing."""
+
+    def __init__(self, source: Path):
+        self.source, self.started = source, time.perf_counter()
+        self.last = self.started
+
+    def update(self, samples: int) -> None:
+        now = time.perf_counter()
+        if now - self.last >= PROGRESS_EVERY_S:
+            self.last = now
+            logger.info("%s: %d samples tokenized, %.0f samples/s", self.source, samples, samples / (now - self.started))
 
 
 def _report_bad_samples(staging: Path, source: Path, stats: PrepareStats, bad: list[tuple[str, str]],
@@ -615,3 +701,11 @@ def collate(dataset: TokenDataset, indices: list[int], pad_id: int) -> dict[str,
         "lengths": lengths,
         "sample_ids": torch.tensor(indices, dtype=torch.long),
     }
+
+
+if __name__ == "__main__":  # python -m dflash.data prepare|stats ...
+    import sys
+
+    from dflash.data_tools import main
+
+    sys.exit(main())

@@ -2,6 +2,7 @@
 
     python -m dflash.data_benchmark                      # 20,000 samples, recipe batching, 1 and 8 ranks
     python -m dflash.data_benchmark --max-tokens 3072 --shard runs/x/data --output /tmp/data.json
+    python -m dflash.data_benchmark --samples 2000 --prepare-samples 3000   # + data preparation rate
 
 Data: a shard prepared by prepare_dataset (--shard), else a synthetic one in a temporary folder
 written with dflash/data.py's shard writer (ids.bin, loss_mask.bin, index + manifest), read by
@@ -43,6 +44,7 @@ class DataBenchArgs:
     plan_epochs: int = 3
     pin_memory: bool | None = field(default=None, metadata={"help": "default: torch.cuda.is_available()"})
     shard: str | None = None  # a prepared shard folder instead of the synthetic one
+    prepare_samples: int = 0  # > 0: also time prepare_dataset on this many realistic chats, 1 vs all cores
     seed: int = 0
     output: str | None = None
 
@@ -85,6 +87,28 @@ def time_epoch(dataset: TokenDataset, sampler: RankAwareBucketSampler, pin: bool
             "batch_ms_p99": round(float(np.percentile(times, 99)) * 1e3, 3)}
 
 
+def time_preparation(args: DataBenchArgs, folder: Path) -> list[dict]:
+    """prepare_dataset (tokenize with the chat template, loss mask, shard) on chats of 300-2600
+    response tokens (dflash.bench_assets, demo tokenizer), with one process and with all cores."""
+    from dflash.bench_assets import AssetArgs, write_chats
+    from dflash.data import load_tokenizer, prepare_dataset
+    from dflash.demo import DEMO_TARGET_DIR
+
+    chats = folder / "chats.jsonl"
+    write_chats(AssetArgs(samples=args.prepare_samples, seed=args.seed), chats)
+    tokenizer = load_tokenizer(str(DEMO_TARGET_DIR))
+    rows = []
+    for workers in sorted({1, os.cpu_count() or 1}):
+        started = time.perf_counter()
+        shard = prepare_dataset(chats, tokenizer, folder / f"shard-{workers}", 3072, workers=workers)
+        seconds = time.perf_counter() - started
+        rate = args.prepare_samples / seconds
+        rows.append({"workers": workers, "samples": args.prepare_samples, "seconds": round(seconds, 2),
+                     "samples_per_s": round(rate, 1), "mean_tokens": round(float(TokenDataset(shard).lengths.mean())),
+                     "minutes_for_902k": round(902_000 / rate / 60, 1)})
+    return rows
+
+
 def run(args: DataBenchArgs, shard: Path) -> dict:
     dataset = TokenDataset(shard)
     pin = torch.cuda.is_available() if args.pin_memory is None else args.pin_memory
@@ -114,11 +138,16 @@ def main(argv: list[str] | None = None) -> dict:
         if args.shard is None:
             write_synthetic_shard(args, Path(tmp))
         result = run(args, Path(args.shard or tmp))
+        if args.prepare_samples:
+            result["preparation"] = time_preparation(args, Path(tmp))
     print(json.dumps(result))
     print("; ".join(f"{r['num_replicas']} ranks: {r['steps']} steps, plan {r['plan_ms_per_epoch']} ms, "
                     f"{r['micro_batches_per_s']} batches/s, {r['seq_tokens_per_s']:,} seq tok/s, "
                     f"median {r['batch_ms_median']} ms, p99 {r['batch_ms_p99']} ms" for r in result["runs"])
           + f" ({result['samples']} samples, {result['cpu_count']} CPUs, torch {result['torch']})")
+    for row in result.get("preparation", []):
+        print(f"prepare: {row['workers']} process(es), {row['samples_per_s']} samples/s of {row['mean_tokens']} "
+              f"tokens -> 902K samples in {row['minutes_for_902k']} min")
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
     return result

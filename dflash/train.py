@@ -24,7 +24,8 @@ import torch.distributed as dist
 from dflash.attention import resolve_backend
 from dflash.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint, saved_drafter_ranks
 from dflash.config import REPO_ROOT, ConfigError, RunConfig, earlier_run_files
-from dflash.data import TokenDataset, load_tokenizer, prepare_dataset
+from dflash.data import TokenDataset, load_tokenizer
+from dflash.data_tools import prepare_train_shard, train_shard_dir
 from dflash.distributed import RankInfo
 from dflash.drafter_step import DrafterStep, StepSettings
 from dflash.export import export_drafter
@@ -172,16 +173,13 @@ def clear_earlier_run(config: RunConfig, ranks: RankInfo) -> None:
 
 def prepare_data(config: RunConfig, tokenizer, ranks: RankInfo) -> TokenDataset:
     """Rank 0 tokenizes (or reuses the cached shard); the others wait, then open it."""
-    shard = Path(config.train.output_dir) / "data" / "train"
-    d = config.data
-    settings = dict(max_length=d.max_length, overflow=d.overflow, on_bad_sample=d.on_bad_sample,
-                    max_bad_fraction=d.max_bad_fraction)
     if ranks.rank == 0:
-        prepare_dataset(d.train_data, tokenizer, shard, **settings)
+        prepare_train_shard(config, tokenizer)
     dist.barrier()
     # Nodes that do not share rank 0's filesystem build (or reuse) their own copy.
+    shard = train_shard_dir(config)
     if ranks.local_rank == 0 and not (shard / "manifest.json").is_file():
-        prepare_dataset(d.train_data, tokenizer, shard, **settings)
+        prepare_train_shard(config, tokenizer)
     dist.barrier()
     return TokenDataset(shard)
 

@@ -522,3 +522,33 @@ def test_anchor_candidate_counts_match_the_objective(tokenizer, tmp_path, chunk_
     want = [int(anchor_candidates(torch.from_numpy(ds[i][1])[None]).sum()) for i in range(len(ds))]
     assert ds.anchor_candidates(chunk_tokens).tolist() == want
     assert min(want) >= 1
+
+
+def test_parallel_preparation_writes_the_same_shard_and_names_bad_lines(tokenizer, tmp_path):
+    records = [chat(("user", f"question {i}"), ("assistant", f"answer {i} " * (i % 7 + 1))) for i in range(300)]
+    path = write_jsonl(tmp_path / "d.jsonl", records)
+    with path.open("a") as f:
+        f.write("{broken\n")  # line 301: reported from a worker process with its file:line
+    serial = TokenDataset(prepare_dataset(path, tokenizer, tmp_path / "one", 64, workers=1))
+    parallel = TokenDataset(prepare_dataset(path, tokenizer, tmp_path / "two", 64, workers=2))
+    assert len(serial) == len(parallel) == 300
+    assert np.array_equal(serial.lengths, parallel.lengths)
+    for i in range(300):
+        assert np.array_equal(serial[i][0], parallel[i][0]) and np.array_equal(serial[i][1], parallel[i][1])
+    assert f"{path}:301: malformed JSON" in (tmp_path / "two" / "bad_samples.txt").read_text()
+
+
+def test_data_tools_prepare_the_shard_the_run_reuses_and_report_stats(tmp_path, capsys):
+    from dflash.data_tools import main as data_main
+
+    out = tmp_path / "run"
+    assert data_main(["stats", "--output-dir", str(out)]) == 0
+    report = capsys.readouterr().out
+    assert "2000 samples read, 2000 kept" in report and "of them trained on" in report
+    assert "steps per epoch with 8 drafter rank(s)" in report
+    manifest = (out / "data" / "train" / "manifest.json").read_text()
+    assert data_main(["prepare", "--output-dir", str(out)]) == 0  # same flags: reused as is
+    assert "reusing prepared data" in capsys.readouterr().err
+    assert (out / "data" / "train" / "manifest.json").read_text() == manifest
+    assert data_main(["stats", "--output-dir", str(out), "--max-length", "0"]) == 2
+    assert data_main(["frobnicate"]) == 2

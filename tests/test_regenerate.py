@@ -1,0 +1,67 @@
+"""Regeneration with the target itself, on the demo target and its 64 held-out prompts: batched
+left-padded generation equals one-at-a-time greedy decoding, an interrupted run resumes, and the
+output trains as --train-data."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from dflash.data import TokenDataset, load_chat_jsonl, load_tokenizer, prepare_dataset, prompt_ids, prompt_messages
+from dflash.demo import DEMO_HELDOUT_DATA, DEMO_TARGET_DIR
+from dflash.regenerate import main as regenerate_main
+
+NEW_TOKENS = 24
+
+
+def run(tmp_path, *extra: str) -> list[dict]:
+    out = tmp_path / "regen.jsonl"
+    argv = ["--target", str(DEMO_TARGET_DIR), "--prompts", str(DEMO_HELDOUT_DATA), "--output", str(out),
+            "--max-new-tokens", str(NEW_TOKENS), "--batch-tokens", "1500", "--dtype", "float32", "--device", "cpu",
+            *extra]
+    assert regenerate_main(argv) == 0
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_regenerated_replies_are_the_targets_greedy_replies(tmp_path, capfd):
+    records = run(tmp_path)
+    log = capfd.readouterr().err
+    source = load_chat_jsonl(DEMO_HELDOUT_DATA)
+    assert len(records) == len(source) == 64
+    for record, messages in zip(records, source):
+        assert record["messages"][:-1] == prompt_messages(messages)
+        assert record["messages"][-1]["role"] == "assistant"
+    assert "64/64 generated" in log and "new tokens/s" in log
+    tokenizer = load_tokenizer(str(DEMO_TARGET_DIR))
+    model = AutoModelForCausalLM.from_pretrained(DEMO_TARGET_DIR, dtype=torch.float32).eval()
+    lengths = [len(prompt_ids(tokenizer, m)) for m in source]
+    for i in sorted(range(64), key=lengths.__getitem__)[::16]:  # short to long: rows padded differently
+        ids = torch.tensor([prompt_ids(tokenizer, source[i])])
+        with torch.no_grad():
+            alone = model.generate(input_ids=ids, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                   pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:].tolist()
+        if tokenizer.eos_token_id in alone:
+            alone = alone[:alone.index(tokenizer.eos_token_id)]
+        assert records[i]["messages"][-1]["content"] == tokenizer.decode(alone, skip_special_tokens=True).strip(), i
+
+
+def test_an_interrupted_run_resumes_and_the_output_trains(tmp_path, capfd):
+    partial = tmp_path / "regen.jsonl.partial"
+    partial.write_text("".join(json.dumps({"index": i, "reply": f"kept {i}"}) + "\n" for i in range(10))
+                       + '{"index": 10, "rep')  # the torn line of a killed run
+    records = run(tmp_path, "--limit", "24")
+    assert "24 conversations, 10 already done" in capfd.readouterr().err
+    assert [r["messages"][-1]["content"] for r in records[:10]] == [f"kept {i}" for i in range(10)]
+    assert not partial.exists()
+    shard = prepare_dataset(tmp_path / "regen.jsonl", load_tokenizer(str(DEMO_TARGET_DIR)), tmp_path / "shard", 512)
+    assert len(TokenDataset(shard)) == 24
+
+
+def test_bad_flags_get_one_line(tmp_path, capsys):
+    argv = ["--target", str(tmp_path / "none"), "--prompts", str(DEMO_HELDOUT_DATA), "--output", str(tmp_path / "o")]
+    assert regenerate_main(argv) == 2
+    assert "--target" in capsys.readouterr().err
+    assert regenerate_main([*argv[:1], str(DEMO_TARGET_DIR), *argv[2:], "--sampling", "hot"]) == 2
+    assert "--sampling hot: use greedy or target" in capsys.readouterr().err
