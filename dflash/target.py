@@ -53,7 +53,27 @@ def load_target_config(path: str):
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as err:
         raise TargetError(f"--target {path}: cannot read an HF config there ({err})") from err
+    check_target_family(config, path)
     return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+# What the drafter takes from the target's config: its width, heads and vocabulary.
+REQUIRED_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
+
+
+def check_target_family(config, path: str) -> None:
+    """Refuse, before any weight loads, a model family DFlash cannot serve: encoder-decoders
+    (no causal decoder to verify with) and configs without the decoder shapes the drafter copies."""
+    name = getattr(config, "model_type", type(config).__name__)
+    if getattr(config, "is_encoder_decoder", False):
+        raise TargetError(f"--target {path}: {name} is an encoder-decoder model; DFlash drafts for decoder-only "
+                          "causal LMs (Qwen3, Llama, Mistral, Gemma, Phi, OLMo, ...)")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    missing = [f for f in REQUIRED_FIELDS if getattr(text, f, None) is None]
+    if missing:
+        raise TargetError(f"--target {path}: the {name} config has no {', '.join(missing)}; DFlash needs a "
+                          "decoder-only causal LM whose config names its hidden size, MLP width, heads, layers "
+                          "and vocabulary (a Llama-style decoder: Qwen3, Llama, Mistral, Gemma, Phi, OLMo, ...)")
 
 
 class _StopForward(Exception):

@@ -1,0 +1,92 @@
+"""Tiny random targets of every supported family: speculative decoding equals greedy decoding
+(and the model's own generate()) in float32 past any sliding window, through rejected drafts
+of every length; a few training steps run through train_drafter.py; a family that cannot work
+is refused before any weight loads."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import transformers
+
+import dflash.speculative as speculative
+from conftest import run_trainer, write_chat_jsonl
+from dflash.target import FrozenTarget, TargetError, default_target_layer_ids, load_target_config
+from test_multiprocess import tiny_args
+from tiny_tokenizer import make_tiny_tokenizer
+
+WINDOW = 6
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
+              eos_token_id=2)
+FAMILIES = {  # family -> (config class, model class, extra config)
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral-sliding": ("MistralConfig", "MistralForCausalLM", {"sliding_window": WINDOW}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"sliding_window": WINDOW}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"sliding_window": WINDOW}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    "qwen2-sliding": ("Qwen2Config", "Qwen2ForCausalLM",
+                      {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 2}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+}
+PROMPT = [60, 2, 2, 2, 71, 30, 8, 1, 90, 12, 13]
+NEW_TOKENS = 32  # prompt + new tokens run far past the window
+
+
+def tiny_family_model(family: str, vocab_size: int = 97):
+    config_name, model_name, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_name)(vocab_size=vocab_size, **COMMON, **extra)
+    return getattr(transformers, model_name)(config).eval()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_speculative_decoding_equals_greedy(family, monkeypatch):
+    from conftest import tiny_drafter
+
+    model = tiny_family_model(family).float()
+    target = FrozenTarget(model, default_target_layer_ids(4, 2))
+    greedy = speculative.greedy_decode(target, PROMPT, NEW_TOKENS, eos_ids=set())
+    reference = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                               do_sample=False)[0, len(PROMPT):].tolist()
+    assert greedy.tokens == reference
+    block = 4
+    drafter = tiny_drafter(target, block_size=block)
+    full = PROMPT + greedy.tokens + [0] * block
+    rng = random.Random(1)
+
+    def oracle(target_, drafter_, context, last_token, anchor):  # right, then wrong at a random slot
+        guess = list(full[anchor + 1: anchor + block])
+        if rng.random() < 0.7:
+            guess[rng.randrange(block - 1)] = (guess[0] + 1) % 90
+        return torch.tensor(guess)
+
+    monkeypatch.setattr(speculative, "propose_block", oracle)
+    spec = speculative.speculative_decode(target, drafter, PROMPT, NEW_TOKENS, eos_ids=set())
+    assert spec.tokens == greedy.tokens
+    assert min(spec.accepted) < block - 1 < max(spec.accepted) + 1  # rejections and full accepts
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_few_training_steps(family, tmp_path):
+    tokenizer = make_tiny_tokenizer()
+    tiny_family_model(family, vocab_size=len(tokenizer) + 3).save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    setup = {"target": tmp_path / "target", "train": write_chat_jsonl(tmp_path / "train.jsonl", 16, 0)}
+    args = tiny_args(setup, tmp_path / "run", "--target-layer-ids", "1", "2")
+    args[args.index("--max-steps") + 1] = "2"
+    proc = run_trainer(args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "run" / "drafter" / "model.safetensors").is_file()
+
+
+def test_a_family_that_cannot_work_is_refused_before_loading(tmp_path):
+    transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2).save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(TargetError, match="gpt2 config has no intermediate_size"):
+        load_target_config(str(tmp_path / "gpt2"))
+    transformers.T5Config(d_model=32, num_layers=1, num_heads=2).save_pretrained(tmp_path / "t5")
+    with pytest.raises(TargetError, match="t5 is an encoder-decoder model"):
+        load_target_config(str(tmp_path / "t5"))
