@@ -84,6 +84,7 @@ class TrainArgs:
     wandb_mode: str = field(default="offline", metadata={"help": "offline (no account needed) | online | disabled"})
     eval_prompts: int = field(default=16, metadata={"help": "held-out prompts decoded at the end (0: skip)"})
     eval_max_new_tokens: int = 96
+    eval_every: int = field(default=200, metadata={"help": "exact teacher-forced tau on the held-out prompts every N optimizer steps (colocated; 0: off)"})
     eval_dtype: str = field(default="float32", metadata={"help": "float32 (exact lossless check) | bfloat16"})
 
 
@@ -221,6 +222,7 @@ def validate(config: RunConfig, for_training: bool = True) -> None:
     _require(t.epochs >= 1, f"--epochs {t.epochs}: need at least 1 (a run of 0 epochs would export an untrained drafter)")
     _require(t.max_steps == -1 or t.max_steps >= 1, f"--max-steps {t.max_steps}: use -1 (all epochs) or >= 1")
     _require(t.log_every >= 1, f"--log-every {t.log_every}: need at least 1")
+    _require(t.eval_every >= 0, f"--eval-every {t.eval_every}: use 0 (off) or a step count")
     _require(t.profile_steps >= 0, f"--profile-steps {t.profile_steps}: use 0 (off) or a step count")
     _require(t.transport_timeout_s > 0 and t.dist_timeout_minutes > 0,
              "--transport-timeout-s and --dist-timeout-minutes must be > 0")

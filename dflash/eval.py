@@ -63,11 +63,13 @@ class EvalReport:
     teacher_forced_acc: list[float] = field(default_factory=list)
     teacher_forced_streak: float = 0.0  # mean leading correct slots per block (no bonus)
     teacher_forced_eal: float = 0.0  # from per-slot accuracy (no bonus)
+    teacher_forced_tau: float = 0.0  # exact tau from the teacher-forced chain walk (bonus included)
 
     def summary(self) -> str:
         acc = ", ".join(f"{a:.2f}" for a in self.acceptance[:8])
         return (
-            f"tau {self.tau:.2f} (teacher-forced 1+streak {1 + self.teacher_forced_streak:.2f}, "
+            f"tau {self.tau:.2f} (teacher-forced: chain {self.teacher_forced_tau:.2f}, "
+            f"1+streak {1 + self.teacher_forced_streak:.2f}, "
             f"1+EAL {1 + self.teacher_forced_eal:.2f}) | speedup {self.speedup:.2f}x "
             f"({self.greedy_seconds:.2f}s greedy, {self.speculative_seconds:.2f}s speculative) | "
             f"acceptance by position [{acc}{', ...' if len(self.acceptance) > 8 else ''}] | "
@@ -88,10 +90,32 @@ def eos_token_ids(tokenizer, target: FrozenTarget) -> set[int]:
     return ids
 
 
+@dataclass
+class TeacherForced:
+    """The drafter scored with every response position as an anchor, in one batched forward
+    per sequence, on the target's own greedy continuations."""
+
+    acc: list[float]  # per-slot accuracy, slots 1..B-1 (what training measures)
+    streak: float  # mean leading correct slots over every anchor (no bonus)
+    eal: float
+    tau: float  # exact: the chain decoding walks, 1 + mean accepted per cycle
+    acceptance: list[float]  # P(slot j accepted) along that chain, j = 1..B-1
+
+
+def chain_walk(streaks: list[int], start: int = 0) -> list[int]:
+    """Accepted drafts per cycle of speculative decoding, from the teacher-forced streak of the
+    block anchored at every response position: a cycle anchored at n accepts streak[n], the
+    target adds one token, so the next cycle is anchored at n + streak[n] + 1."""
+    accepted, anchor = [], start
+    while anchor < len(streaks):
+        accepted.append(streaks[anchor])
+        anchor += streaks[anchor] + 1
+    return accepted
+
+
 @torch.no_grad()
-def teacher_forced(target: FrozenTarget, drafter: DFlashDrafter, sequences: list[tuple[list[int], list[int]]]):
-    """Per-slot accuracy and streak with every response position as an anchor: what training
-    measures, on the target's own continuations of the eval prompts."""
+def teacher_forced(target: FrozenTarget, drafter: DFlashDrafter,
+                   sequences: list[tuple[list[int], list[int]]]) -> TeacherForced:
     device = target.device
     block = drafter.block_size
     settings = StepSettings(max_anchors=0, slot_weights=slot_weights(block, 1.0),
@@ -100,11 +124,12 @@ def teacher_forced(target: FrozenTarget, drafter: DFlashDrafter, sequences: list
     correct = torch.zeros(block, dtype=torch.float64)
     count = torch.zeros(block, dtype=torch.float64)
     streaks: list[torch.Tensor] = []
+    accepted: list[int] = []
     for prompt, response in sequences:
         ids = torch.tensor([prompt + response], device=device)
         loss_mask = torch.zeros_like(ids, dtype=torch.bool)
         loss_mask[:, len(prompt):] = True
-        anchors = anchor_candidates(loss_mask)[0].nonzero().flatten()[None]
+        anchors = anchor_candidates(loss_mask)[0].nonzero().flatten()[None]  # every response position
         if anchors.numel() == 0:
             continue
         layout = BlockLayout(anchors, torch.ones_like(anchors, dtype=torch.bool), ids.shape[1], block)
@@ -112,9 +137,13 @@ def teacher_forced(target: FrozenTarget, drafter: DFlashDrafter, sequences: list
         correct += out.slot_correct.double().cpu()
         count += out.slot_count.double().cpu()
         streaks.append(out.block_streaks.double().cpu())
+        accepted += chain_walk(out.block_streaks.long().tolist())  # the first anchor is the first reply token
     acc = correct / count.clamp(min=1)
-    streak = float(torch.cat(streaks).mean()) if streaks else 0.0
-    return [float(a) for a in acc[1:]], streak, expected_acceptance_length(acc)
+    chain = torch.tensor(accepted or [0], dtype=torch.float64)
+    return TeacherForced(
+        acc=[float(a) for a in acc[1:]], streak=float(torch.cat(streaks).mean()) if streaks else 0.0,
+        eal=expected_acceptance_length(acc), tau=float(chain.mean() + 1),
+        acceptance=[float((chain >= j).double().mean()) for j in range(1, block)])
 
 
 def evaluate(target: FrozenTarget, drafter: DFlashDrafter, prompts: list[list[int]], max_new_tokens: int,
@@ -141,13 +170,13 @@ def evaluate(target: FrozenTarget, drafter: DFlashDrafter, prompts: list[list[in
     accepted_t = torch.tensor(accepted or [0], dtype=torch.float64)
     block = drafter.block_size
     acceptance = [float((accepted_t >= j).double().mean()) for j in range(1, block)]
-    tf_acc, tf_streak, tf_eal = teacher_forced(target, drafter, sequences)
+    tf = teacher_forced(target, drafter, sequences)
     return EvalReport(
         prompts=len(prompts), tau=float(accepted_t.mean() + 1), acceptance=acceptance,
         speedup=greedy_s / max(spec_s, 1e-9), greedy_seconds=greedy_s, speculative_seconds=spec_s,
         tokens=tokens, diverged=diverged, dtype=str(target.embed_tokens.weight.dtype).removeprefix("torch."),
-        teacher_forced_acc=tf_acc, teacher_forced_streak=tf_streak,
-        teacher_forced_eal=tf_eal,
+        teacher_forced_acc=tf.acc, teacher_forced_streak=tf.streak, teacher_forced_eal=tf.eal,
+        teacher_forced_tau=tf.tau,
     )
 
 

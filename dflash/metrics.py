@@ -132,12 +132,27 @@ class MetricsLogger:
 
 def progress_line(record: dict, total_steps: int) -> str:
     acc = record["acc"]
-    return (
-        f"step {record['step']}/{total_steps} | epoch {record['epoch'] + 1}/{record['epochs']}, "
-        f"{100 * record['epoch_fraction']:.0f}% of this epoch | loss {record['loss']:.3f} | acc1 {acc[0]:.3f} "
-        f"acc{len(acc)} {acc[-1]:.3f} | streak {record['streak']:.2f} EAL {record['eal']:.2f} | "
-        f"lr {record['lr']:.2e} | {record['tokens_per_s']:.0f} tok/s"
-        + (f" | MFU {100 * record['mfu']:.1f}%" if "mfu" in record else "")
-        + (f" | {record['peak_memory_gb']:.1f} GB" if "peak_memory_gb" in record else "")
-        + (f" | grad norm {record['grad_norm']:.3g}" if "grad_norm" in record else "")
-    )
+    per_gpu = record["draft_positions_per_s"] * record["drafter_ranks"] / record["world_size"]
+    skipped = record["skipped_micro_batches"] + record["skipped_steps"]
+    return " | ".join(part for part in [
+        f"step {record['step']}/{total_steps}",
+        f"epoch {record['epoch'] + 1}/{record['epochs']}, {100 * record['epoch_fraction']:.0f}% of this epoch",
+        f"loss {record['loss']:.3f}",
+        f"acc1 {acc[0]:.3f} acc{len(acc)} {acc[-1]:.3f}",
+        f"tau {record['tau']:.2f} (step {record['tau_step']})" if "tau" in record else "",
+        f"lr {record['lr']:.2e}",
+        f"{per_gpu:,.0f} draft pos/s/GPU, {record['tokens_per_s']:.0f} tok/s",
+        f"MFU {100 * record['mfu']:.1f}%" if "mfu" in record else "",
+        f"{record['peak_memory_gb']:.1f} GB" if "peak_memory_gb" in record else "",
+        f"grad norm {record['grad_norm']:.3g}" if "grad_norm" in record else "",
+        f"skipped {skipped}" if skipped else "",
+        f"queues {record['queue_depths']}" if record.get("queue_depths") else "",
+        f"ETA {format_duration(record['eta_s'])}",
+    ] if part)
+
+
+def format_duration(seconds: float) -> str:
+    minutes, _ = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    days, hours = divmod(hours, 24)
+    return f"{days}d {hours}h" if days else f"{hours}h {minutes:02d}m" if hours else f"{minutes}m {int(seconds) % 60:02d}s"

@@ -35,6 +35,7 @@ from dflash.memory import MemoryBudgetError, MemoryShapes, draft_position_budget
 from dflash.metrics import MetricsLogger, WindowMetrics, progress_line
 from dflash.model import DFlashDrafter, drafter_config
 from dflash.objective import default_gamma, feature_noise_std, slot_weights
+from dflash.periodic_eval import TauProbe
 from dflash.phases import PhaseClock
 from dflash.profiling import StepProfiler
 from dflash.sampler import RankAwareBucketSampler
@@ -312,8 +313,11 @@ def train_drafter_rank(config, ranks, topology, dcfg, dataset, source, data_grou
     window = WindowMetrics(dcfg.block_size, measured_peak_tflops(device.index or 0) if device.type == "cuda" else None)
     shapes = cost_shapes(dcfg, config)
     clock = PhaseClock(device)
+    probe = tau_probe(config, target, is_main and topology.colocated)
+    tau: dict = {}
     profiler = StepProfiler(out_dir, PROFILE_AFTER_STEPS, config.train.profile_steps, device, enabled=is_main)
     started = time.perf_counter()
+    first_step = engine.global_steps
     last: dict = {}
     for epoch in range(start_epoch, config.train.epochs):
         sampler.set_epoch(epoch)
@@ -350,12 +354,23 @@ def train_drafter_rank(config, ranks, topology, dcfg, dataset, source, data_grou
             if boundary:
                 window.add_grad_norm(engine.get_global_grad_norm())
                 profiler.step_done(engine.global_steps)
-            if boundary and (engine.global_steps % config.train.log_every == 0 or engine.global_steps >= total_steps):
+            last_step = engine.global_steps >= total_steps
+            if boundary and probe is not None and (engine.global_steps % config.train.eval_every == 0 or last_step):
+                clock.mark("bookkeeping")
+                tau = {"tau_step": engine.global_steps, **probe.measure(engine.module)}
+                window.started += tau["eval_seconds"]  # the window's rates count training time only
+                clock.mark("eval")
+                logger.info("step %d: tau %.2f (exact, teacher-forced on %d held-out prompts, %.1f s)",
+                            engine.global_steps, tau["tau"], len(probe.sequences), tau["eval_seconds"])
+            if boundary and (engine.global_steps % config.train.log_every == 0 or last_step):
                 last = window.summary(data_group, gpus=ranks.world_size)
+                last.update(tau)
                 last["time_split"] = {phase: round(seconds, 4) for phase, seconds in clock.split().items()}
                 last.update(step=engine.global_steps, epoch=epoch, epochs=config.train.epochs,
                             epoch_fraction=(batch_step + 1) / sampler.steps_per_epoch(),
                             lr=scheduler.get_last_lr()[0], elapsed_s=time.perf_counter() - started,
+                            eta_s=(total_steps - engine.global_steps) * (time.perf_counter() - started)
+                            / max(engine.global_steps - first_step, 1),
                             queue_depths=source.queue_depths(), world_size=ranks.world_size,
                             drafter_ranks=len(topology.drafter_ranks),
                             skipped_micro_batches=guard.skipped, skipped_steps=engine.skipped_steps)
@@ -384,6 +399,17 @@ def train_drafter_rank(config, ranks, topology, dcfg, dataset, source, data_grou
     metrics.close()
     role = "colocated" if topology.colocated else "drafter"
     return TrainResult(role, engine.global_steps, seconds, drafter_dir, initial_dir, last)
+
+
+def tau_probe(config: RunConfig, target: FrozenTarget | None, enabled: bool) -> TauProbe | None:
+    """The periodic exact-tau eval, where it can run: the rank holding the target (colocated)."""
+    t = config.train
+    if not enabled or t.eval_every == 0 or t.eval_prompts == 0 or config.data.eval_data is None:
+        if enabled is False and t.eval_every and config.data.eval_data and target is None:
+            logger.info("periodic eval needs the target on the drafter rank (colocated); the final eval reports tau")
+        return None
+    tokenizer = load_tokenizer(config.model.tokenizer)
+    return TauProbe(target, tokenizer, config.data.eval_data, t.eval_prompts, t.eval_max_new_tokens)
 
 
 def step_settings(config: RunConfig, dcfg, gamma: float, device: torch.device) -> StepSettings:

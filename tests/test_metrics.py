@@ -27,6 +27,15 @@ def test_window_pools_counts_before_dividing():
 
 def test_progress_line_names_epoch_and_fraction():
     record = {"step": 120, "epoch": 1, "epochs": 6, "epoch_fraction": 0.375, "loss": 1.5, "acc": [0.8, 0.4],
-              "streak": 2.0, "eal": 1.1, "lr": 3e-4, "tokens_per_s": 1234.0}
+              "streak": 2.0, "eal": 1.1, "lr": 3e-4, "tokens_per_s": 1234.0, "draft_positions_per_s": 3000.0,
+              "drafter_ranks": 6, "world_size": 8, "skipped_micro_batches": 1, "skipped_steps": 1,
+              "queue_depths": {6: 2, 7: 1}, "eta_s": 7 * 3600 + 5 * 60, "mfu": 0.523, "grad_norm": 0.91,
+              "tau": 3.456, "tau_step": 100}
     line = progress_line(record, 600)
     assert line.startswith("step 120/600 | epoch 2/6, 38% of this epoch | loss 1.500 | acc1 0.800 acc2 0.400")
+    for part in ("tau 3.46 (step 100)", "2,250 draft pos/s/GPU", "MFU 52.3%", "grad norm 0.91", "skipped 2",
+                 "queues {6: 2, 7: 1}", "ETA 7h 05m"):
+        assert part in line, (part, line)
+    quiet = {k: v for k, v in record.items() if k not in ("tau", "mfu", "grad_norm")}
+    line = progress_line({**quiet, "skipped_micro_batches": 0, "skipped_steps": 0, "queue_depths": {}}, 600)
+    assert "tau" not in line and "skipped" not in line and "queues" not in line and "MFU" not in line

@@ -1,0 +1,51 @@
+"""tau from one teacher-forced forward (the chain decoding walks over every anchor's streak)
+equals the tau of real speculative decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash.eval import chain_walk, evaluate
+
+
+def test_chain_walk_follows_decoding():
+    # anchored at 0: 2 accepted, the target adds one token -> next anchor 3: 0 accepted -> 4: 5 -> 10 (end)
+    assert chain_walk([2, 9, 9, 0, 5, 9, 9, 9, 9, 9]) == [2, 0, 5]
+    assert chain_walk([0, 0, 0]) == [0, 0, 0]
+    assert chain_walk([]) == []
+
+
+def test_teacher_forced_tau_equals_real_tau_on_the_demo_target():
+    from dflash.data import TokenDataset, collate, load_chat_jsonl, load_tokenizer, prepare_dataset, prompt_ids
+    from dflash.demo import DEMO_HELDOUT_DATA, DEMO_TARGET_DIR, DEMO_TRAIN_DATA
+    from dflash.drafter_step import DrafterStep, StepSettings
+    from dflash.model import DFlashDrafter, drafter_config
+    from dflash.objective import slot_weights
+    from dflash.target import FrozenTarget, default_target_layer_ids, resolve_mask_token_id
+    import tempfile
+
+    tokenizer = load_tokenizer(DEMO_TARGET_DIR)
+    layers = default_target_layer_ids(8, 3)
+    target = FrozenTarget.load(str(DEMO_TARGET_DIR), layers, torch.float32, torch.device("cpu"))
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(drafter_config(target.model.config, 1, layers, 8,
+                                           resolve_mask_token_id(tokenizer, target.model.config, None)))
+    step = DrafterStep(drafter, target.embed_tokens, target.lm_head,
+                       StepSettings(max_anchors=32, slot_weights=slot_weights(8, 4.0), attention_backend="sdpa"))
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    with tempfile.TemporaryDirectory() as tmp:
+        data = TokenDataset(prepare_dataset(DEMO_TRAIN_DATA, tokenizer, tmp, 384))
+        generator = torch.Generator().manual_seed(0)
+        for i in range(60):  # enough for multi-token acceptance
+            batch = collate(data, list(range(4 * i, 4 * i + 4)), tokenizer.pad_token_id)
+            out = step.loss(step.sample_blocks(batch["input_ids"], batch["loss_mask"], generator),
+                            target.features(batch["input_ids"]))
+            out.loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    prompts = [prompt_ids(tokenizer, m) for m in load_chat_jsonl(DEMO_HELDOUT_DATA)[:8]]
+    report = evaluate(target, drafter.eval(), prompts, 48, {tokenizer.eos_token_id})
+    assert report.tau > 1.1 and report.acceptance[1] > 0, "cycles must accept several drafts for this to mean something"
+    assert report.teacher_forced_tau == pytest.approx(report.tau, rel=0.02)
+    assert abs(1 + report.teacher_forced_streak - report.tau) > abs(report.teacher_forced_tau - report.tau)
