@@ -102,20 +102,31 @@ class TeacherForced:
     acceptance: list[float]  # P(slot j accepted) along that chain, j = 1..B-1
 
 
-def chain_walk(streaks: list[int], start: int = 0) -> list[int]:
+def chain_walk(streaks: list[int], produced: int) -> list[int]:
     """Accepted drafts per cycle of speculative decoding, from the teacher-forced streak of the
-    block anchored at every response position: a cycle anchored at n accepts streak[n], the
-    target adds one token, so the next cycle is anchored at n + streak[n] + 1."""
-    accepted, anchor = [], start
-    while anchor < len(streaks):
+    block anchored at every response position: the first cycle is anchored at the first reply
+    token, a cycle anchored at n accepts streak[n], the target adds one token, so the next is
+    anchored at n + streak[n] + 1; decoding stops once `produced` reply tokens exist."""
+    accepted, anchor = [], 0
+    while anchor + 1 < produced and anchor < len(streaks):
         accepted.append(streaks[anchor])
         anchor += streaks[anchor] + 1
     return accepted
 
 
+def continuation(target: FrozenTarget, prompt: list[int], max_new_tokens: int, eos_ids: set[int],
+                 block_size: int) -> tuple[list[int], int]:
+    """The target's greedy continuation, B-1 tokens past where decoding stops (its last cycle
+    still checks a whole block there), and how many reply tokens decoding keeps."""
+    tokens = greedy_decode(target, prompt, max_new_tokens + block_size - 1, eos_ids=set()).tokens
+    kept = next((i + 1 for i, t in enumerate(tokens[:max_new_tokens]) if t in eos_ids), max_new_tokens)
+    return tokens, kept
+
+
 @torch.no_grad()
 def teacher_forced(target: FrozenTarget, drafter: DFlashDrafter,
-                   sequences: list[tuple[list[int], list[int]]]) -> TeacherForced:
+                   sequences: list[tuple[list[int], list[int], int]]) -> TeacherForced:
+    """`sequences`: (prompt, continuation, reply tokens decoding keeps), from `continuation`."""
     device = target.device
     block = drafter.block_size
     settings = StepSettings(max_anchors=0, slot_weights=slot_weights(block, 1.0),
@@ -125,7 +136,7 @@ def teacher_forced(target: FrozenTarget, drafter: DFlashDrafter,
     count = torch.zeros(block, dtype=torch.float64)
     streaks: list[torch.Tensor] = []
     accepted: list[int] = []
-    for prompt, response in sequences:
+    for prompt, response, kept in sequences:
         ids = torch.tensor([prompt + response], device=device)
         loss_mask = torch.zeros_like(ids, dtype=torch.bool)
         loss_mask[:, len(prompt):] = True
@@ -137,7 +148,7 @@ def teacher_forced(target: FrozenTarget, drafter: DFlashDrafter,
         correct += out.slot_correct.double().cpu()
         count += out.slot_count.double().cpu()
         streaks.append(out.block_streaks.double().cpu())
-        accepted += chain_walk(out.block_streaks.long().tolist())  # the first anchor is the first reply token
+        accepted += chain_walk(out.block_streaks.long().tolist(), kept)
     acc = correct / count.clamp(min=1)
     chain = torch.tensor(accepted or [0], dtype=torch.float64)
     return TeacherForced(
@@ -166,7 +177,7 @@ def evaluate(target: FrozenTarget, drafter: DFlashDrafter, prompts: list[list[in
         spec_s += spec.seconds
         accepted += spec.accepted
         tokens += len(spec.tokens)
-        sequences.append((prompt, plain.tokens))
+        sequences.append((prompt, *continuation(target, prompt, max_new_tokens, eos_ids, drafter.block_size)))
     accepted_t = torch.tensor(accepted or [0], dtype=torch.float64)
     block = drafter.block_size
     acceptance = [float((accepted_t >= j).double().mean()) for j in range(1, block)]

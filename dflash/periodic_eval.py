@@ -9,20 +9,20 @@ from __future__ import annotations
 import logging
 import time
 
-from dflash.eval import eos_token_ids, load_prompts, teacher_forced
-from dflash.speculative import greedy_decode
+from dflash.eval import continuation, eos_token_ids, load_prompts, teacher_forced
 from dflash.target import FrozenTarget
 
 logger = logging.getLogger(__name__)
 
 
 class TauProbe:
-    def __init__(self, target: FrozenTarget, tokenizer, prompts_path: str, num_prompts: int, max_new_tokens: int):
+    def __init__(self, target: FrozenTarget, tokenizer, prompts_path: str, num_prompts: int, max_new_tokens: int,
+                 block_size: int):
         started = time.perf_counter()
         eos = eos_token_ids(tokenizer, target)
         prompts = load_prompts(prompts_path, tokenizer, num_prompts)
         self.target = target
-        self.sequences = [(p, greedy_decode(target, p, max_new_tokens, eos).tokens) for p in prompts]
+        self.sequences = [(p, *continuation(target, p, max_new_tokens, eos, block_size)) for p in prompts]
         logger.info("periodic eval: greedy continuations of %d held-out prompts computed in %.1f s",
                     len(self.sequences), time.perf_counter() - started)
 

@@ -409,7 +409,8 @@ def tau_probe(config: RunConfig, target: FrozenTarget | None, enabled: bool) -> 
             logger.info("periodic eval needs the target on the drafter rank (colocated); the final eval reports tau")
         return None
     tokenizer = load_tokenizer(config.model.tokenizer)
-    return TauProbe(target, tokenizer, config.data.eval_data, t.eval_prompts, t.eval_max_new_tokens)
+    return TauProbe(target, tokenizer, config.data.eval_data, t.eval_prompts, t.eval_max_new_tokens,
+                    config.model.block_size)
 
 
 def step_settings(config: RunConfig, dcfg, gamma: float, device: torch.device) -> StepSettings:

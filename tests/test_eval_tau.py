@@ -10,10 +10,12 @@ from dflash.eval import chain_walk, evaluate
 
 
 def test_chain_walk_follows_decoding():
-    # anchored at 0: 2 accepted, the target adds one token -> next anchor 3: 0 accepted -> 4: 5 -> 10 (end)
-    assert chain_walk([2, 9, 9, 0, 5, 9, 9, 9, 9, 9]) == [2, 0, 5]
-    assert chain_walk([0, 0, 0]) == [0, 0, 0]
-    assert chain_walk([]) == []
+    # anchored at 0: 2 accepted, the target adds one token -> next anchor 3: 0 accepted -> 4: 5 -> 10
+    streaks = [2, 9, 9, 0, 5, 9, 9, 9, 9, 9, 1, 1]
+    assert chain_walk(streaks, produced=10) == [2, 0, 5]  # 10 reply tokens exist after that cycle
+    assert chain_walk(streaks, produced=12) == [2, 0, 5, 1]  # one more cycle, its block runs past the end
+    assert chain_walk([0, 0, 0], produced=3) == [0, 0]
+    assert chain_walk([4], produced=1) == []  # the prompt's forward made the only token
 
 
 def test_teacher_forced_tau_equals_real_tau_on_the_demo_target():
