@@ -227,10 +227,14 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return complete[-1] if complete else None
 
 
+def saved_batching(path: Path) -> dict:
+    """The sampler settings the checkpoint at `path` was written with (num_replicas: its drafter
+    ranks; max_draft_positions when a draft budget applied)."""
+    return json.loads((path / STATE_FILE).read_text())["sampler"]["fingerprint"]
+
+
 def saved_drafter_ranks(path: Path) -> int:
-    """How many drafter ranks wrote the checkpoint at `path`."""
-    state = json.loads((path / STATE_FILE).read_text())
-    return int(state["sampler"]["fingerprint"]["num_replicas"])
+    return int(saved_batching(path)["num_replicas"])
 
 
 def universal_copy(path: Path, group) -> Path:

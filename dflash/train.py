@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dflash.attention import resolve_backend
-from dflash.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint, saved_drafter_ranks
+from dflash.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint, saved_batching, saved_drafter_ranks
 from dflash.config import REPO_ROOT, ConfigError, RunConfig, earlier_run_files
 from dflash.data import TokenDataset, load_tokenizer
 from dflash.data_tools import prepare_train_shard, train_shard_dir
@@ -258,8 +258,12 @@ def train_drafter_rank(config, ranks, topology, dcfg, dataset, source, data_grou
     newest = latest_checkpoint(out_dir) if config.train.resume else None
     if newest is not None and saved_drafter_ranks(newest) != len(topology.drafter_ranks):
         ds_config["checkpoint"]["load_universal"] = True  # ZeRO state resharded from the universal copy
-    max_positions = draft_position_limit(config, dcfg, drafter, ds_config, len(topology.drafter_ranks), device,
-                                         is_main)
+    if newest is not None and config.data.max_draft_positions is None:
+        # the batches of a resumed epoch must be planned as before, whatever memory is free now
+        max_positions = saved_batching(newest).get("max_draft_positions")
+    else:
+        max_positions = draft_position_limit(config, dcfg, drafter, ds_config, len(topology.drafter_ranks), device,
+                                             is_main)
     sampler = RankAwareBucketSampler(
         dataset.lengths, config.data.bucket_boundaries, config.data.max_tokens,
         num_replicas=len(topology.drafter_ranks), seed=config.train.seed, num_epochs=config.train.epochs,
