@@ -317,7 +317,7 @@ def train_drafter_rank(config, ranks, topology, dcfg, dataset, source, data_grou
     window = WindowMetrics(dcfg.block_size, measured_peak_tflops(device.index or 0) if device.type == "cuda" else None)
     shapes = cost_shapes(dcfg, config)
     clock = PhaseClock(device)
-    probe = tau_probe(config, target, is_main and topology.colocated)
+    probe = tau_probe(config, target, is_main, topology.colocated)
     tau: dict = {}
     profiler = StepProfiler(out_dir, PROFILE_AFTER_STEPS, config.train.profile_steps, device, enabled=is_main)
     started = time.perf_counter()
@@ -405,12 +405,14 @@ def train_drafter_rank(config, ranks, topology, dcfg, dataset, source, data_grou
     return TrainResult(role, engine.global_steps, seconds, drafter_dir, initial_dir, last)
 
 
-def tau_probe(config: RunConfig, target: FrozenTarget | None, enabled: bool) -> TauProbe | None:
-    """The periodic exact-tau eval, where it can run: the rank holding the target (colocated)."""
+def tau_probe(config: RunConfig, target: FrozenTarget | None, is_main: bool, colocated: bool) -> TauProbe | None:
+    """The periodic exact-tau eval on drafter rank 0, where it can run: with the target on the
+    rank (colocated)."""
     t = config.train
-    if not enabled or t.eval_every == 0 or t.eval_prompts == 0 or config.data.eval_data is None:
-        if enabled is False and t.eval_every and config.data.eval_data and target is None:
-            logger.info("periodic eval needs the target on the drafter rank (colocated); the final eval reports tau")
+    if not is_main or t.eval_every == 0 or t.eval_prompts == 0 or config.data.eval_data is None:
+        return None
+    if not colocated:
+        logger.info("periodic eval needs the target on the drafter rank (colocated); the final eval reports tau")
         return None
     tokenizer = load_tokenizer(config.model.tokenizer)
     return TauProbe(target, tokenizer, config.data.eval_data, t.eval_prompts, t.eval_max_new_tokens,
