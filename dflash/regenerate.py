@@ -5,8 +5,9 @@ learns what the target says rather than what the dataset says.
     python -m dflash.regenerate ... --sampling target --thinking on --max-new-tokens 4096
 
 Each conversation keeps its turns up to the last user turn; the final reply is replaced by the
-target's. Prompts go out longest first in batches of at most --batch-tokens (prompt + new
-tokens, left-padded), so padding stays small and an out-of-memory shows in the first batch.
+target's. With vLLM installed and a GPU visible, vLLM generates (`--engine auto`, the default);
+otherwise HF generation does, longest prompts first in batches of at most --batch-tokens (prompt
++ new tokens, left-padded), so padding stays small and an out-of-memory shows in the first batch.
 Finished replies are appended to <output>.partial as they come, so a killed run resumes where
 it stopped; at the end <output> holds every conversation in input order, usable as
 --train-data. Greedy by default; `--sampling target` uses the target's generation_config
@@ -16,6 +17,7 @@ it stopped; at the end <output> holds every conversation in input order, usable 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import sys
@@ -33,6 +35,7 @@ from dflash.files import write_text_durably
 from dflash.target import TargetError
 
 logger = logging.getLogger(__name__)
+VLLM_CHUNK = 4096
 
 
 @dataclass
@@ -42,7 +45,9 @@ class RegenerateArgs:
     output: str = field(metadata={"help": "chat JSONL to write (usable as --train-data)"})
     tokenizer: str | None = field(default=None, metadata={"help": "default: --target"})
     max_new_tokens: int = 2048
-    batch_tokens: int = field(default=65536, metadata={"help": "prompt + new tokens per batch, all rows"})
+    batch_tokens: int = field(default=262144, metadata={
+        "help": "HF engine: prompt + new tokens per batch, all rows (an 8B target's KV cache: 38 GB)"})
+    engine: str = field(default="auto", metadata={"help": "auto (vllm when it is installed and a GPU is visible, else hf) | hf | vllm"})
     sampling: str = field(default="greedy", metadata={"help": "greedy | target (the target's generation_config)"})
     thinking: str = field(default="off", metadata={"help": "off | on, for chat templates with enable_thinking"})
     limit: int = field(default=0, metadata={"help": "only the first N conversations (0: all)"})
@@ -55,6 +60,9 @@ def check_args(args: RegenerateArgs) -> None:
     problems = [
         (args.max_new_tokens >= 1, f"--max-new-tokens {args.max_new_tokens}: use at least 1"),
         (args.batch_tokens >= 1, f"--batch-tokens {args.batch_tokens}: use at least 1"),
+        (args.engine in ("auto", "hf", "vllm"), f"--engine {args.engine}: use auto, hf or vllm"),
+        (args.engine != "vllm" or vllm_available(), "--engine vllm: vllm is not installed; pip install vllm, "
+                                                    "or use --engine hf"),
         (args.sampling in ("greedy", "target"), f"--sampling {args.sampling}: use greedy or target"),
         (args.thinking in ("off", "on"), f"--thinking {args.thinking}: use off or on"),
         (args.dtype in ("bfloat16", "float32"), f"--dtype {args.dtype}: use bfloat16 or float32"),
@@ -119,6 +127,54 @@ def generate_batch(model, prompts: list[list[int]], settings: dict, pad_id: int,
     return replies
 
 
+def hf_generate(args: RegenerateArgs, tokenizer, prompts: dict[int, list[int]], todo: dict[int, int]):
+    """Batched HF generation; yields (indices, [(reply text, new token count)]) per batch."""
+    device = pick_device(args.device, 0)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype)).to(device)
+    except Exception as err:  # transformers raises many kinds for a bad folder
+        raise TargetError(f"--target {args.target}: cannot load a causal LM ({type(err).__name__}: {err})") from err
+    model.eval()
+    torch.manual_seed(args.seed)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = model.generation_config.eos_token_id
+    stop_ids = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}
+    stop_ids.discard(None)
+    settings = generation_settings(model, args, pad_id)
+    for batch in batches_by_length(todo, args.max_new_tokens, args.batch_tokens):
+        replies = generate_batch(model, [prompts[i] for i in batch], settings, pad_id, stop_ids)
+        yield batch, [(tokenizer.decode(r, skip_special_tokens=True).strip(), len(r)) for r in replies]
+
+
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def vllm_generate(args: RegenerateArgs, tokenizer, prompts: dict[int, list[int]], todo: dict[int, int]):
+    """vLLM schedules its own batches; prompts go in chunks of VLLM_CHUNK so that finished replies
+    reach the .partial file (and the log) as the run goes."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=args.target, tokenizer=args.tokenizer or args.target, dtype=args.dtype, seed=args.seed)
+    if args.sampling == "greedy":
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
+    else:  # the target's generation_config, as vLLM reads it
+        params = llm.get_default_sampling_params()
+        params.max_tokens = args.max_new_tokens
+    order = sorted(todo, key=lambda i: (-todo[i], i))
+    for first in range(0, len(order), VLLM_CHUNK):
+        batch = order[first: first + VLLM_CHUNK]
+        outputs = llm.generate([{"prompt_token_ids": prompts[i]} for i in batch], params, use_tqdm=False)
+        yield batch, [(out.outputs[0].text.strip(), len(out.outputs[0].token_ids)) for out in outputs]
+
+
+def pick_engine(args: RegenerateArgs):
+    if args.engine == "vllm" or (args.engine == "auto" and vllm_available() and torch.cuda.is_available()
+                                 and args.device != "cpu"):
+        return vllm_generate
+    return hf_generate
+
+
 def regenerate(args: RegenerateArgs) -> Path:
     check_args(args)
     conversations = load_chat_jsonl(args.prompts)
@@ -133,27 +189,15 @@ def regenerate(args: RegenerateArgs) -> Path:
     todo = {i: len(p) for i, p in prompts.items() if i not in done}
     logger.info("%d conversations, %d already done (%s), %d to generate", len(prompts), len(done), partial, len(todo))
     if todo:
-        device = pick_device(args.device, 0)
-        try:
-            model = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype)).to(device)
-        except Exception as err:  # transformers raises many kinds for a bad folder
-            raise TargetError(f"--target {args.target}: cannot load a causal LM ({type(err).__name__}: {err})") from err
-        model.eval()
-        torch.manual_seed(args.seed)
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        stop_ids = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
-                       else [model.generation_config.eos_token_id]) | {tokenizer.eos_token_id}
-        stop_ids.discard(None)
-        settings = generation_settings(model, args, pad_id)
+        engine = pick_engine(args)
+        logger.info("generating with %s", engine.__name__)
         started, new_tokens, finished = time.perf_counter(), 0, 0
         with partial.open("a", encoding="utf-8") as sink:
-            for batch in batches_by_length(todo, args.max_new_tokens, args.batch_tokens):
-                replies = generate_batch(model, [prompts[i] for i in batch], settings, pad_id, stop_ids)
-                for index, reply in zip(batch, replies):
-                    text = tokenizer.decode(reply, skip_special_tokens=True).strip()
+            for batch, replies in engine(args, tokenizer, prompts, todo):
+                for index, (text, count) in zip(batch, replies):
                     sink.write(json.dumps({"index": index, "reply": text}) + "\n")
                     done[index] = text
-                    new_tokens += len(reply)
+                    new_tokens += count
                 sink.flush()
                 finished += len(batch)
                 seconds = time.perf_counter() - started

@@ -141,6 +141,15 @@ class FrozenTarget:
             )
         return layers
 
+    def compile_pointwise(self) -> None:
+        """Compile each decoder layer's MLP and RMS norms: eager, their float32 casts and SiLU
+        are a large share of the target forward's GPU time. Attention and the KV cache stay
+        eager, so decoding over a cache is untouched. Dynamic: every micro-batch has its length."""
+        for layer in self.layers:
+            for name, module in layer.named_modules():
+                if name == "mlp" or type(module).__name__.endswith("RMSNorm"):
+                    module.compile(dynamic=True)
+
     @property
     def hidden_size(self) -> int:
         return self.embed_tokens.weight.shape[1]

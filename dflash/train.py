@@ -227,6 +227,8 @@ def train(config: RunConfig, ranks: RankInfo) -> TrainResult:
     target = None
     if topology.is_target(ranks.rank):
         target = FrozenTarget.load(config.model.target, layer_ids, dtype, device)
+        if config.model.kernels == "fast" and device.type == "cuda":
+            target.compile_pointwise()
     if not topology.is_drafter(ranks.rank):
         server = TargetServer(
             ranks.rank, topology.drafter_ranks, spec,

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Throughput and memory benchmarks on a GPU host, results as JSON under $RESULTS (default
 # runs/bench/results): the drafter step with fast and naive kernels, the memory sweep, the
-# end-to-end training loop (fast vs naive, with a profile), and the fast loop as on an 80 GiB
-# card. With two GPUs the two halves run side by side.   PYTHON=python3 bash launch/bench_gpu.sh
+# end-to-end training loop (fast vs naive, with a profile), the fast loop as on an 80 GiB card,
+# and response regeneration with the 8B-shaped target. With two GPUs the two halves run side by
+# side. SKIP_STEP_BENCH=1 leaves out the drafter-only runs (step and memory sweep).
+#   PYTHON=python3 bash launch/bench_gpu.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -17,9 +19,12 @@ e2e() { "$PY" -m dflash.e2e_benchmark --out "$BENCH" --steps "${STEPS:-40}" "$@"
   if [ -z "${SKIP_STEP_BENCH:-}" ]; then
     "$PY" -m dflash.benchmark --output "$RES/step_fast.json" > "$RES/step_fast.log" 2>&1
     "$PY" -m dflash.benchmark --kernels naive --output "$RES/step_naive.json" > "$RES/step_naive.log" 2>&1
+    "$PY" -m dflash.benchmark --memory-sweep --output "$RES/memory_sweep.json" > "$RES/memory_sweep.log" 2>&1
   fi
-  "$PY" -m dflash.benchmark --memory-sweep --output "$RES/memory_sweep.json" > "$RES/memory_sweep.log" 2>&1
   e2e --kernels fast --profile-steps 0 --emulate-gb 80 --output "$RES/e2e_80gb.json" > "$RES/e2e_80gb.log" 2>&1
+  rm -f "$BENCH/regen.jsonl" "$BENCH/regen.jsonl.partial"
+  "$PY" -m dflash.regenerate --target "$BENCH/assets/target" --prompts "$BENCH/assets/train.jsonl" \
+    --output "$BENCH/regen.jsonl" --limit "${REGEN_PROMPTS:-256}" --max-new-tokens 512 > "$RES/regen.log" 2>&1
 ) &
 half=$!
 [ "$second" = 1 ] || wait "$half"

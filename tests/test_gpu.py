@@ -1,6 +1,6 @@
 """GPU checks (run on a CUDA host: python -m pytest -m gpu). Flex attention with the block mask
 must agree with SDPA on the dense mask, forward and backward; the whole fast training step
-(flex, fused lm_head loss, compiled layers) with the naive one."""
+(flex, fused lm_head loss, compiled layers) with the naive one; the compiled target with the eager one."""
 
 from __future__ import annotations
 
@@ -99,3 +99,27 @@ def test_fast_training_step_matches_the_naive_one(dtype, tol):
                                    msg=lambda m, name=name: f"{name}: {m}")
     if dtype == torch.float32:
         assert torch.equal(fast_correct, naive_correct)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_compiled_target_features_match_eager(dtype, tol):
+    """The fast path compiles the target's MLPs and norms; features and a cached decode step
+    must stay what the eager model gives."""
+    from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
+
+    from dflash.target import FrozenTarget
+
+    config = Qwen3Config(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config).to("cuda", dtype)
+    ids = torch.randint(0, 1000, (3, 77), device="cuda")
+    eager = FrozenTarget(model, [1, 3, 4])
+    want = eager.features(ids).features
+    want_logits = eager.decode_step(ids[:, :5], DynamicCache()).logits
+    eager.compile_pointwise()
+    for length in (77, 50):  # two lengths: the dynamic compile must not be tied to the first
+        got = eager.features(ids[:, :length]).features
+        torch.testing.assert_close(got.float(), want[:, :length].float(), rtol=tol, atol=tol)
+    got_logits = eager.decode_step(ids[:, :5], DynamicCache()).logits
+    torch.testing.assert_close(got_logits.float(), want_logits.float(), rtol=tol, atol=tol)

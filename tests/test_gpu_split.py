@@ -17,7 +17,10 @@ from conftest import REPO, free_port
 from test_multiprocess import stop_a_target_mid_run, tiny_args
 
 pytestmark = pytest.mark.gpu
+# Short, so that the dead-peer tests end fast; training runs get more, since the drafter's first
+# steps compile for a while on a busy host and its targets wait through that.
 TIMEOUT_S = 20
+RUN_TIMEOUT_S = 120
 
 
 @pytest.fixture(autouse=True)
@@ -25,9 +28,9 @@ def two_gpus():
     assert torch.cuda.device_count() >= 2, "these tests need two CUDA devices"
 
 
-def gpu_args(setup: dict, out: Path, *extra: str) -> list[str]:
+def gpu_args(setup: dict, out: Path, *extra: str, timeout_s: float = RUN_TIMEOUT_S) -> list[str]:
     args = tiny_args(setup, out, "--device", "cuda", *extra)
-    args[args.index("--transport-timeout-s") + 1] = str(TIMEOUT_S)
+    args[args.index("--transport-timeout-s") + 1] = str(timeout_s)
     return args
 
 
@@ -77,6 +80,7 @@ def test_split_one_plus_one_matches_colocated_x1_in_fp32(tiny_setup, tmp_path):
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
 def test_a_target_that_dies_or_stops_ends_the_drafter_within_the_timeout(tiny_setup, tmp_path, sig):
-    err, seconds = stop_a_target_mid_run(gpu_args(tiny_setup, tmp_path, "--target-ranks", "1"), tmp_path, sig)
+    err, seconds = stop_a_target_mid_run(gpu_args(tiny_setup, tmp_path, "--target-ranks", "1", timeout_s=TIMEOUT_S),
+                                         tmp_path, sig)
     assert seconds <= TIMEOUT_S + 15, (seconds, err[-2000:])
     assert "TransportError" in err and "target rank 1" in err, err[-2000:]

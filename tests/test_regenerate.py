@@ -65,3 +65,17 @@ def test_bad_flags_get_one_line(tmp_path, capsys):
     assert "--target" in capsys.readouterr().err
     assert regenerate_main([*argv[:1], str(DEMO_TARGET_DIR), *argv[2:], "--sampling", "hot"]) == 2
     assert "--sampling hot: use greedy or target" in capsys.readouterr().err
+
+
+def test_engine_choice_and_a_missing_vllm(tmp_path, capfd, monkeypatch):
+    import dflash.regenerate as regen
+    from dflash.regenerate import RegenerateArgs, hf_generate, pick_engine
+
+    monkeypatch.setattr(regen, "vllm_available", lambda: False)
+    args = RegenerateArgs(target=str(DEMO_TARGET_DIR), prompts=str(DEMO_HELDOUT_DATA), output=str(tmp_path / "o"))
+    assert pick_engine(args) is hf_generate  # auto falls back to HF generation
+    code = regenerate_main(["--target", str(DEMO_TARGET_DIR), "--prompts", str(DEMO_HELDOUT_DATA),
+                            "--output", str(tmp_path / "o.jsonl"), "--engine", "vllm"])
+    err = capfd.readouterr().err
+    assert code == 2 and "--engine vllm: vllm is not installed" in err and "--engine hf" in err
+    assert not (tmp_path / "o.jsonl").exists()

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from dflash.demo import DEMO_HELDOUT_DATA, DEMO_TARGET_DIR, DEMO_TRAIN_DATA
 from dflash.demo.corpus import SnippetSampler, load_sources, user_prompt
+from dflash.distributed import pick_device
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="auto", help="auto (cuda when there is one) | cpu | cuda")
     return parser.parse_args()
 
 
@@ -87,6 +89,7 @@ def generate(
     for first in range(0, len(order), args.batch_size):
         chunk = order[first : first + args.batch_size]
         batch = tokenizer.pad({"input_ids": [encoded[i] for i in chunk]}, padding=True, return_tensors="pt")
+        batch = batch.to(model.device)
         output = model.generate(**batch, max_new_tokens=args.max_new_tokens, do_sample=False)
         for row, index in enumerate(chunk):
             responses[index] = finish_response(tokenizer, output[row, batch["input_ids"].shape[1] :].tolist())
@@ -125,7 +128,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(args.target_dir, padding_side="left")
     # Generate in fp32 from the bf16 checkpoint: CPU bf16 matmuls are slower.
-    model = AutoModelForCausalLM.from_pretrained(args.target_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.target_dir, dtype=torch.float32).eval().to(pick_device(args.device, 0))
     build_split(model, tokenizer, True, args.num_heldout, args.heldout_out, args)
     build_split(model, tokenizer, False, args.num_train, args.train_out, args)
     print(f"wrote {args.num_train} train samples to {args.train_out}")

@@ -8,6 +8,7 @@ steps from the measured speed of the first steps, and logs it so that the run ca
 repeated exactly with ``--steps``.
 
     python -m dflash.demo.build_target --minutes 12
+    python -m dflash.demo.build_target --device cuda --batch-size 64 --steps 20000
 """
 
 import argparse
@@ -27,6 +28,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config,
 
 from dflash.demo import DEMO_TARGET_DIR
 from dflash.demo.corpus import CHAT_TEMPLATE, SnippetSampler, SourceFile, load_sources, user_prompt
+from dflash.distributed import pick_device
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup-steps", type=int, default=40)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="auto", help="auto (cuda when there is one) | cpu | cuda")
     return parser.parse_args()
 
 
@@ -179,6 +182,7 @@ def train(
     model: Qwen3ForCausalLM, data: Iterator[tuple[torch.Tensor, ...]], args: argparse.Namespace
 ) -> dict[str, float | int]:
     """AdamW in fp32 for --steps, or for as many steps as fit into --minutes."""
+    device = next(model.parameters()).device
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     total_steps = args.steps or 10**9
     losses: list[float] = []
@@ -195,7 +199,7 @@ def train(
             )
         lr = args.lr * lr_factor(step, args.warmup_steps, total_steps)
         set_lr(optimizer, lr)
-        input_ids, attention_mask, labels = next(data)
+        input_ids, attention_mask, labels = (t.to(device) for t in next(data))
         loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -236,7 +240,7 @@ def main() -> None:
     tokenizer = train_tokenizer(sources, args.vocab_size)
     config = build_config(tokenizer)
     logger.info("tokenizer has %d tokens; model vocab_size %d", len(tokenizer), config.vocab_size)
-    model = Qwen3ForCausalLM(config)
+    model = Qwen3ForCausalLM(config).to(pick_device(args.device, 0))
     logger.info("model has %.2fM parameters", sum(p.numel() for p in model.parameters()) / 1e6)
     sampler = SnippetSampler(sources, args.seed)
     stats = train(model, batches(sampler, tokenizer, args.batch_size, args.max_length, args.seed), args)

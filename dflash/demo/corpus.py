@@ -7,6 +7,7 @@ target is trained on exactly the prompt format that the drafter data later uses.
 
 import bisect
 import hashlib
+import os
 import random
 import sysconfig
 from dataclasses import dataclass
@@ -59,7 +60,9 @@ class SourceFile:
 
 
 def stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
+    """This interpreter's stdlib, or DFLASH_DEMO_CORPUS: a copy of another version's, so that the
+    demo assets can be rebuilt on a host with another Python."""
+    return Path(os.environ.get("DFLASH_DEMO_CORPUS") or sysconfig.get_paths()["stdlib"])
 
 
 def _is_excluded(rel: Path) -> bool:

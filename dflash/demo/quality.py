@@ -1,0 +1,67 @@
+"""How plausible the demo target's answers are: a drafter learns little from degenerate text.
+
+    python -m dflash.demo.quality                       # the shipped demo data
+    python -m dflash.demo.quality runs/x/train.jsonl --json
+
+For each assistant answer: the distinct-bigram ratio over the target tokenizer's tokens
+(distinct adjacent pairs / all pairs; a loop that repeats itself scores low) and whether one
+non-blank line occurs three or more times. The demo target is good enough when the median ratio
+is at least MIN_DISTINCT_BIGRAMS and at most MAX_REPEATING_SHARE of the answers repeat a line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import Counter
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from dflash.demo import DEMO_TARGET_DIR, DEMO_TRAIN_DATA
+
+MIN_DISTINCT_BIGRAMS = 0.6
+MAX_REPEATING_SHARE = 0.10
+REPEATS = 3  # occurrences of one line that count as a loop
+
+
+def distinct_bigram_ratio(ids: list[int]) -> float:
+    pairs = list(zip(ids, ids[1:]))
+    return len(set(pairs)) / len(pairs) if pairs else 1.0
+
+
+def repeats_a_line(text: str) -> bool:
+    counts = Counter(line.strip() for line in text.splitlines() if line.strip())
+    return bool(counts) and max(counts.values()) >= REPEATS
+
+
+def answer_quality(answers: list[str], tokenizer) -> dict:
+    ratios = [distinct_bigram_ratio(tokenizer.encode(a, add_special_tokens=False)) for a in answers]
+    repeating = sum(repeats_a_line(a) for a in answers) / len(answers)
+    return {
+        "answers": len(answers),
+        "median_distinct_bigram_ratio": round(statistics.median(ratios), 3),
+        "repeating_line_share": round(repeating, 3),
+        "good_enough": statistics.median(ratios) >= MIN_DISTINCT_BIGRAMS and repeating <= MAX_REPEATING_SHARE,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("data", nargs="?", type=Path, default=DEMO_TRAIN_DATA, help="chat JSONL answered by the target")
+    parser.add_argument("--tokenizer", default=str(DEMO_TARGET_DIR))
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    args = parser.parse_args()
+    answers = [json.loads(line)["messages"][-1]["content"] for line in args.data.read_text().splitlines()]
+    quality = answer_quality(answers, AutoTokenizer.from_pretrained(args.tokenizer))
+    if args.json:
+        print(json.dumps(quality))
+    else:
+        print(f"{quality['answers']} answers: median distinct-bigram ratio {quality['median_distinct_bigram_ratio']} "
+              f"(want >= {MIN_DISTINCT_BIGRAMS}), a line repeated {REPEATS}+ times in "
+              f"{quality['repeating_line_share']:.0%} (want <= {MAX_REPEATING_SHARE:.0%})")
+
+
+if __name__ == "__main__":
+    main()
