@@ -3,7 +3,8 @@
 Keys are laid out as `[context (S positions) ; blocks (N blocks x B slots)]` and queries are the
 block slots only. A query in block n, whose anchor is `a_n`, sees
   - context positions `t < a_n` (strictly: the anchor's own target features do not exist yet
-    at inference time, the anchor is the bonus token the target just produced);
+    at inference time, the anchor is the bonus token the target just produced), and with a
+    sliding window W only the last W of them, `a_n - W <= t`;
   - every slot of its own block (bidirectional);
   - nothing of any other block.
 
@@ -40,6 +41,7 @@ class BlockLayout:
     valid: torch.Tensor  # [b, N] bool, False for padding blocks
     context_len: int  # S, number of context key positions (padded)
     block_size: int  # B
+    window: int = 0  # W > 0: a block sees only the W context positions before its anchor
 
 
 def dense_block_mask(layout: BlockLayout) -> torch.Tensor:
@@ -53,6 +55,8 @@ def dense_block_mask(layout: BlockLayout) -> torch.Tensor:
     query_valid = valid[:, query_block]  # [b, Q]
     ctx_pos = torch.arange(s, device=device)
     sees_context = ctx_pos[None, None, :] < query_anchor[:, :, None]  # [b, Q, S]
+    if layout.window > 0:
+        sees_context &= ctx_pos[None, None, :] >= query_anchor[:, :, None] - layout.window
     sees_block = query_block[:, None] == query_block[None, :]  # [Q, Q]
     sees_block = sees_block[None].expand(b, -1, -1)
     mask = torch.cat([sees_context, sees_block], dim=-1) & query_valid[:, :, None]
@@ -66,7 +70,7 @@ def flex_block_mask(layout: BlockLayout, num_query: int):
     from torch.nn.attention.flex_attention import create_block_mask
 
     anchors, valid = layout.anchors, layout.valid
-    bs, s = layout.block_size, layout.context_len
+    bs, s, window = layout.block_size, layout.context_len, layout.window
     b = anchors.shape[0]
 
     def mask_mod(batch, head, q_idx, kv_idx):
@@ -76,6 +80,8 @@ def flex_block_mask(layout: BlockLayout, num_query: int):
         kv_block = (kv_idx - s) // bs
         same_block = (~is_ctx) & (kv_block == q_block)
         sees_ctx = is_ctx & (kv_idx < anchor) & valid[batch, q_block]
+        if window > 0:
+            sees_ctx = sees_ctx & (kv_idx >= anchor - window)
         return sees_ctx | same_block
 
     return create_block_mask(

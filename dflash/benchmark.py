@@ -32,7 +32,6 @@ from dflash.memory import (WORKSPACE_BYTES, MemoryShapes, bytes_per_context_toke
                            loss_workspace_bytes)
 from dflash.model import DFlashDrafter, drafter_config
 from dflash.objective import slot_weights
-from dflash.target import TargetOutputs
 
 # (rows, sequence length, anchors per row) for --memory-sweep: rows and anchors scale draft
 # positions, length scales context tokens; S=3072 up to every position an anchor.
@@ -108,7 +107,7 @@ class Bench:
         loss_mask = torch.ones_like(ids, dtype=torch.bool)
         loss_mask[:, : seq_len // 8] = False
         features = torch.randn(rows, seq_len, a.num_features * a.hidden_size, device=self.device, dtype=torch.bfloat16)
-        return ids, loss_mask, TargetOutputs(features=features)
+        return ids, loss_mask, features
 
     def run_step(self, ids, loss_mask, target, generator, anchors: int):
         self.step.settings.max_anchors = anchors

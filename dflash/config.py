@@ -32,6 +32,7 @@ class ModelArgs:
     target_layer_ids: list[int] | None = field(default=None, metadata={"help": "target layers whose outputs feed the drafter"})
     num_target_features: int = field(default=5, metadata={"help": "K, when --target-layer-ids is not given"})
     block_size: int = field(default=16, metadata={"help": "B, tokens drafted per forward"})
+    draft_window: int = field(default=0, metadata={"help": "sliding window of the drafter's layers: a block sees the W context positions before its anchor (0: all)"})
     mask_token_id: int | None = field(default=None, metadata={"help": "default: tokenizer mask token, else first unused embedding row"})
     attention_backend: str = field(default="auto", metadata={"help": "auto | sdpa | flex"})
     kernels: str = field(default="fast", metadata={"help": "fast (flex attention, fused lm_head loss, compiled layers on GPU) | naive (dense SDPA mask, full logits, eager: the reference the benchmark compares with)"})
@@ -63,13 +64,23 @@ class TrainArgs:
     transport_timeout_s: float = field(default=300.0, metadata={"help": "split mode: a peer silent this long ends the run"})
     epochs: int | None = field(default=None, metadata={"help": "recipe 6, demo 2"})
     max_steps: int = field(default=-1, metadata={"help": "stop after this many optimizer steps (-1: all epochs)"})
-    lr: float = 6e-4
+    lr: float = field(default=6e-4, metadata={"help": "peak learning rate (AdamW; with Muon, of the 1-D weights)"})
+    optimizer: str = field(default="adamw", metadata={"help": "adamw | muon (DeepSpeed's Muon for the 2-D weights, AdamW for the rest)"})
+    muon_lr: float = field(default=0.02, metadata={"help": "--optimizer muon: peak learning rate of the 2-D weights"})
     warmup_ratio: float = 0.04
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     grad_accum: int = 1
     max_anchors: int | None = field(default=None, metadata={"help": "A, anchors per sequence (recipe 512, demo 16)"})
     gamma: float | None = field(default=None, metadata={"help": "slot-weight decay (default 7 for B=16, 5 for B=10, 4 for B=8)"})
+    slot_weights: str = field(default="decay", metadata={"help": "decay (exp(-(j-1)/gamma)) | uniform"})
+    loss: str = field(default="ce", metadata={"help": "ce (slot-weighted CE) | dpace (D-PACE-weighted CE) | ce+dpace"})
+    dpace_alpha: float = field(default=0.5, metadata={"help": "D-PACE confidence smoothing, in (0, 1]"})
+    dpace_weight: float = field(default=1.0, metadata={"help": "weight of the D-PACE term in --loss ce+dpace"})
+    anchors: str = field(default="random", metadata={"help": "random (anchors drawn among response positions) | stride (blocks B apart, an ablation)"})
+    zero_features: bool = field(default=False, metadata={"help": "feed the drafter zeros for the target's features (a control for ablations)"})
+    lr_schedule: str = field(default="cosine", metadata={"help": "cosine (warmup, cosine to 0) | wsd (warmup, stable, linear to 0 over the last --decay-ratio)"})
+    decay_ratio: float = field(default=0.2, metadata={"help": "wsd: share of the steps spent decaying"})
     kl_weight: float = field(default=0.0, metadata={"help": "weight of the KL to the target distribution (0: off)"})
     feature_noise_std: float = field(default=0.0, metadata={"help": "initial std of feature noise, cosine-decayed to 0"})
     seed: int = 0
@@ -199,6 +210,7 @@ def validate(config: RunConfig, for_training: bool = True) -> None:
              or d.max_draft_positions >= t.max_anchors * m.block_size,
              f"--max-draft-positions {d.max_draft_positions}: a micro-batch must hold one sequence's "
              f"--max-anchors x --block-size = {t.max_anchors * m.block_size} (or 0: no limit)")
+    _require(m.draft_window >= 0, f"--draft-window {m.draft_window}: use 0 (full attention) or a window in tokens")
     _require(m.kernels in ("fast", "naive"), f"--kernels {m.kernels}: use fast or naive")
     _require(d.bucket_boundaries == sorted(d.bucket_boundaries) and len(d.bucket_boundaries) >= 1,
              f"--bucket-boundaries {d.bucket_boundaries}: must be ascending")
@@ -219,6 +231,16 @@ def validate(config: RunConfig, for_training: bool = True) -> None:
     _require(math.isfinite(t.grad_clip) and t.grad_clip > 0, f"--grad-clip {t.grad_clip}: use a positive norm")
     _require(t.gamma is None or (math.isfinite(t.gamma) and t.gamma > 0),
              f"--gamma {t.gamma}: use a positive decay, or leave it out for the block size's default")
+    _require(t.slot_weights in ("decay", "uniform"), f"--slot-weights {t.slot_weights}: use decay or uniform")
+    _require(t.loss in ("ce", "dpace", "ce+dpace"), f"--loss {t.loss}: use ce, dpace or ce+dpace")
+    _require(0 < t.dpace_alpha <= 1, f"--dpace-alpha {t.dpace_alpha}: use a smoothing in (0, 1] (0.5 in the paper)")
+    _require(math.isfinite(t.dpace_weight) and t.dpace_weight > 0, f"--dpace-weight {t.dpace_weight}: use > 0")
+    _require(t.anchors in ("random", "stride"), f"--anchors {t.anchors}: use random or stride")
+    _require(t.optimizer in ("adamw", "muon"), f"--optimizer {t.optimizer}: use adamw or muon")
+    _require(math.isfinite(t.muon_lr) and t.muon_lr > 0, f"--muon-lr {t.muon_lr}: use a positive learning rate")
+    _require(t.lr_schedule in ("cosine", "wsd"), f"--lr-schedule {t.lr_schedule}: use cosine or wsd")
+    _require(0 < t.decay_ratio <= 1 and t.warmup_ratio + t.decay_ratio <= 1,
+             f"--decay-ratio {t.decay_ratio}: use a fraction in (0, 1] that leaves room for --warmup-ratio {t.warmup_ratio}")
     _require(t.epochs >= 1, f"--epochs {t.epochs}: need at least 1 (a run of 0 epochs would export an untrained drafter)")
     _require(t.max_steps == -1 or t.max_steps >= 1, f"--max-steps {t.max_steps}: use -1 (all epochs) or >= 1")
     _require(t.log_every >= 1, f"--log-every {t.log_every}: need at least 1")

@@ -6,15 +6,15 @@ number training shows and the number eval reports come from the same code.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from dflash.attention import BlockLayout, build_mask
 from dflash.model import DFlashDrafter
-from dflash.objective import Blocks, LossOutput, build_blocks, dflash_loss, sample_anchors
-from dflash.target import TargetOutputs
+from dflash.objective import Blocks, LossOutput, LossTerms, build_blocks, dflash_loss, sample_anchors
 
 
 @dataclass
@@ -25,6 +25,9 @@ class StepSettings:
     kl_weight: float = 0.0
     lm_head_chunk: int = 4096
     fused_loss: bool = True  # False: autograd keeps the logits (the naive reference)
+    terms: LossTerms = field(default_factory=LossTerms)
+    stride_anchors: bool = False  # blocks B apart instead of random anchors (an ablation)
+    zero_features: bool = False  # the drafter sees zeros for the target's features (a control)
 
 
 class DrafterStep:
@@ -41,10 +44,12 @@ class DrafterStep:
         self.settings = settings
 
     def make_blocks(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, layout: BlockLayout) -> Blocks:
+        layout = dataclasses.replace(layout, window=self.drafter.window)  # the drafter's own window
         return build_blocks(input_ids, loss_mask, layout, self.drafter.mask_token_id)
 
     def sample_blocks(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, generator: torch.Generator) -> Blocks:
-        layout = sample_anchors(loss_mask, self.settings.max_anchors, self.drafter.block_size, generator)
+        layout = sample_anchors(loss_mask, self.settings.max_anchors, self.drafter.block_size, generator,
+                                stride=self.settings.stride_anchors)
         return self.make_blocks(input_ids, loss_mask, layout)
 
     def hidden(self, blocks: Blocks, features: torch.Tensor) -> torch.Tensor:
@@ -56,18 +61,20 @@ class DrafterStep:
         mask = build_mask(blocks.layout, self.settings.attention_backend)
         return self.forward(block_embeds, blocks.positions, features, context_positions, mask)
 
-    def loss(self, blocks: Blocks, target: TargetOutputs, noise_std: float = 0.0) -> LossOutput:
-        """Weighted CE (+KL) of the blocks; `noise_std` > 0 adds Gaussian noise to the features
-        (drawn from the global RNG, which checkpoints save and restore)."""
-        features = target.features
+    def loss(self, blocks: Blocks, features: torch.Tensor, final_hidden: torch.Tensor | None = None,
+             noise_std: float = 0.0) -> LossOutput:
+        """Weighted CE (+KL against the target's `final_hidden`) of the blocks; `noise_std` > 0 adds
+        Gaussian noise to the features (drawn from the global RNG, which checkpoints save and restore)."""
+        if self.settings.zero_features:
+            features = torch.zeros_like(features)
         if noise_std > 0:
             features = features + noise_std * torch.randn_like(features)
         hidden = self.hidden(blocks, features)
-        teacher = target.final_hidden if self.settings.kl_weight > 0 else None
+        teacher = final_hidden if self.settings.kl_weight > 0 else None
         return dflash_loss(
             hidden, blocks, self.lm_head, self.settings.slot_weights,
             teacher_hidden=teacher, kl_weight=self.settings.kl_weight, chunk_size=self.settings.lm_head_chunk,
-            fused=self.settings.fused_loss,
+            fused=self.settings.fused_loss, terms=self.settings.terms,
         )
 
     def empty_loss(self) -> LossOutput:

@@ -31,7 +31,7 @@ from pathlib import Path
 from transformers import HfArgumentParser
 
 from dflash.config import REPO_ROOT
-from dflash.train import PROFILE_AFTER_STEPS
+from dflash.run_report import PROFILE_AFTER_STEPS
 
 
 @dataclass

@@ -144,7 +144,7 @@ def teacher_forced(target: FrozenTarget, drafter: DFlashDrafter,
         if anchors.numel() == 0:
             continue
         layout = BlockLayout(anchors, torch.ones_like(anchors, dtype=torch.bool), ids.shape[1], block)
-        out = step.loss(step.make_blocks(ids, loss_mask, layout), target.features(ids))
+        out = step.loss(step.make_blocks(ids, loss_mask, layout), target.features(ids).features)
         correct += out.slot_correct.double().cpu()
         count += out.slot_count.double().cpu()
         streaks.append(out.block_streaks.double().cpu())

@@ -10,28 +10,18 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
 from dflash.data import TokenDataset, collate
 from dflash.phases import PhaseClock
-from dflash.target import FrozenTarget, TargetOutputs
-from dflash.transport import DrafterClient
-
-
-@dataclass
-class DrafterBatch:
-    """One micro-batch as the drafter step consumes it: tokens, loss mask, the target's outputs."""
-
-    input_ids: torch.Tensor  # [b, S]
-    loss_mask: torch.Tensor  # [b, S] bool
-    target: TargetOutputs
+from dflash.target import FrozenTarget
+from dflash.transport import DrafterClient, FeatureBatch
 
 
 def compute_features(target: FrozenTarget, dataset: TokenDataset, indices: list[int], pad_id: int,
-                     with_final_hidden: bool, clock: PhaseClock | None = None):
-    """Collate `indices` and run the frozen target: (input_ids, loss_mask, features, final_hidden)."""
+                     with_final_hidden: bool, clock: PhaseClock | None = None) -> FeatureBatch:
+    """Collate `indices` and run the frozen target over them."""
     batch = collate(dataset, indices, pad_id)
     input_ids = batch["input_ids"].to(target.device)
     if clock is not None:
@@ -39,7 +29,7 @@ def compute_features(target: FrozenTarget, dataset: TokenDataset, indices: list[
     out = target.features(input_ids, with_final_hidden=with_final_hidden)
     if clock is not None:
         clock.mark("target_forward")
-    return input_ids, batch["loss_mask"].to(target.device), out.features, out.final_hidden
+    return FeatureBatch(input_ids, batch["loss_mask"].to(target.device), out.features, out.final_hidden)
 
 
 class LocalFeatures:
@@ -50,16 +40,15 @@ class LocalFeatures:
         self.with_final_hidden = with_final_hidden
 
     def batches(self, schedule: Iterator[tuple[int, list[int]]],
-                clock: PhaseClock | None = None) -> Iterator[tuple[int, list[int], DrafterBatch | None]]:
+                clock: PhaseClock | None = None) -> Iterator[tuple[int, list[int], FeatureBatch | None]]:
         """(step, indices, batch) in schedule order; batch is None where this rank got no samples.
         `clock` is told where collation ends and the target forward ends."""
         for step, indices in schedule:
             if not indices:
                 yield step, indices, None
                 continue
-            ids, mask, features, final = compute_features(
-                self.target, self.dataset, indices, self.pad_id, self.with_final_hidden, clock)
-            yield step, indices, DrafterBatch(ids, mask, TargetOutputs(features=features, final_hidden=final))
+            yield step, indices, compute_features(self.target, self.dataset, indices, self.pad_id,
+                                                  self.with_final_hidden, clock)
 
     def queue_depths(self) -> dict[int, int]:
         return {}
@@ -81,7 +70,7 @@ class RemoteFeatures:
         self.served_by: dict[int, int] = {}  # target rank -> micro-batches it computed for us
 
     def batches(self, schedule: Iterator[tuple[int, list[int]]],
-                clock: PhaseClock | None = None) -> Iterator[tuple[int, list[int], DrafterBatch | None]]:
+                clock: PhaseClock | None = None) -> Iterator[tuple[int, list[int], FeatureBatch | None]]:
         """(step, indices, batch) in schedule order; batch is None where this rank got no samples.
         `clock` is told when the features are here (the wait for them counts as data)."""
         pending: deque[tuple[int, list[int]]] = deque()  # requested or empty steps, in the drafter's order
@@ -105,14 +94,16 @@ class RemoteFeatures:
                 continue
             got = self.client.receive(step)
             self.served_by[got.target_rank] = self.served_by.get(got.target_rank, 0) + 1
-            target = TargetOutputs(features=got.features.to(self.device), final_hidden=(
-                got.final_hidden.to(self.device) if got.final_hidden is not None else None))
+            batch = got.to(self.device)
             if clock is not None:
                 clock.mark("data")
-            yield step, indices, DrafterBatch(got.input_ids.to(self.device), got.loss_mask.to(self.device), target)
+            yield step, indices, batch
 
     def queue_depths(self) -> dict[int, int]:
         return self.client.queue_depths()
 
     def close(self) -> None:
         self.client.close()
+
+
+FeatureSource = LocalFeatures | RemoteFeatures

@@ -33,6 +33,20 @@ class CostShapes:
     num_features: int
     anchors: int  # anchors per sequence, at most
     block_size: int
+    window: int = 0  # drafter sliding window over the context (0: full)
+
+
+def cost_shapes(dcfg, max_anchors: int, whole_target: bool) -> CostShapes:
+    """The FLOP model's view of a drafter config (`dcfg`, with its target's shapes); the target
+    runs up to its deepest feature layer, or whole with distillation (`whole_target`)."""
+    layer_ids = dcfg.dflash_config["target_layer_ids"]
+    return CostShapes(
+        hidden=dcfg.hidden_size, intermediate=dcfg.intermediate_size, heads=dcfg.num_attention_heads,
+        kv_heads=dcfg.num_key_value_heads, head_dim=dcfg.head_dim, vocab=dcfg.vocab_size,
+        target_layers_run=dcfg.num_target_layers if whole_target else max(layer_ids) + 1,
+        drafter_layers=dcfg.num_hidden_layers, num_features=len(layer_ids), anchors=max_anchors,
+        block_size=dcfg.block_size, window=int(dcfg.dflash_config.get("swa_window_size", 0)),
+    )
 
 
 def _layer_matmul_params(s: CostShapes) -> int:
@@ -58,7 +72,8 @@ def drafter_flops(s: CostShapes, length: int, anchors: int | None = None, mean_a
     queries = anchors * s.block_size
     kv_proj = 2 * s.hidden * s.kv_heads * s.head_dim
     per_layer = 2 * _layer_matmul_params(s) * queries + 2 * kv_proj * length
-    visible = queries * (mean_anchor + s.block_size)
+    seen = min(mean_anchor, s.window) if s.window > 0 else mean_anchor
+    visible = queries * (seen + s.block_size)
     per_layer += 2 * 2 * s.heads * s.head_dim * visible
     fc = 2 * s.num_features * s.hidden * s.hidden * length
     lm_head = 2 * s.hidden * s.vocab * anchors * (s.block_size - 1) * 2

@@ -40,8 +40,11 @@ def drafter_config(
     target_layer_ids: list[int],
     block_size: int,
     mask_token_id: int,
+    window: int = 0,
 ) -> Qwen3Config:
-    """A drafter config with the target's width, heads and RoPE, and the DFlash fields."""
+    """A drafter config with the target's width, heads and RoPE, and the DFlash fields. `window`
+    > 0: sliding-window layers, written in the keys serving engines read (`layer_types`,
+    `sliding_window`, `dflash_config.use_swa` / `swa_window_size`)."""
     text_config = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     hidden = text_config.hidden_size
     heads = text_config.num_attention_heads
@@ -59,11 +62,15 @@ def drafter_config(
         rope_parameters=full_attention_rope(text_config),
         attention_bias=False,
         tie_word_embeddings=False,
+        **({"use_sliding_window": True, "sliding_window": window, "max_window_layers": 0,
+            "layer_types": ["sliding_attention"] * num_layers} if window > 0 else {}),
     )
     config.architectures = ["DFlashDraftModel"]
     config.block_size = block_size
     config.num_target_layers = text_config.num_hidden_layers
     config.dflash_config = {"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)}
+    if window > 0:
+        config.dflash_config.update(use_swa=True, swa_window_size=window)
     return config
 
 
@@ -175,6 +182,11 @@ class DFlashDrafter(nn.Module):
     def mask_token_id(self) -> int:
         return self.config.dflash_config["mask_token_id"]
 
+    @property
+    def window(self) -> int:
+        """Context positions a block sees before its anchor (0: all of them)."""
+        return int(self.config.dflash_config.get("swa_window_size", 0)) if self.config.dflash_config.get("use_swa") else 0
+
     def reset_parameters(self) -> None:
         std = getattr(self.config, "initializer_range", 0.02)
         for module in self.modules():
@@ -230,9 +242,11 @@ class DFlashDrafter(nn.Module):
     @torch.no_grad()
     def draft(self, cache: DrafterCache, block_embeds: torch.Tensor, block_positions: torch.Tensor) -> torch.Tensor:
         """Inference forward of one block per sequence over the cached context: no mask is
-        needed, the cache holds exactly the positions before the anchor. Returns [b, B, D]."""
+        needed, the cache holds exactly the positions before the anchor (of which a sliding
+        window keeps the last `window`). Returns [b, B, D]."""
         cos, sin = self._cos_sin(block_embeds, block_positions)
         x = block_embeds.to(self.fc.weight.dtype)
+        first = -self.window if self.window > 0 else 0
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.keys[i], cache.values[i], None)
+            x = layer(x, cos, sin, cache.keys[i][:, :, first:], cache.values[i][:, :, first:], None)
         return self.norm(x)

@@ -6,7 +6,6 @@ Q = N * B query positions per sequence.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -20,10 +19,11 @@ def default_gamma(block_size: int) -> float:
     return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size * 7.0 / 16.0))
 
 
-def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
-    """w_j = exp(-(j-1)/gamma) for slots j = 1..B-1; slot 0 (the anchor) weighs 0."""
+def slot_weights(block_size: int, gamma: float | None) -> torch.Tensor:
+    """w_j = exp(-(j-1)/gamma) for slots j = 1..B-1, or 1 for every slot when gamma is None
+    (uniform); slot 0 (the anchor) weighs 0."""
     j = torch.arange(block_size, dtype=torch.float32)
-    weights = torch.exp(-(j - 1) / gamma)
+    weights = torch.exp(-(j - 1) / gamma) if gamma is not None else torch.ones(block_size)
     weights[0] = 0.0
     return weights
 
@@ -36,11 +36,16 @@ def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
 
 
 def sample_anchors(
-    loss_mask: torch.Tensor, max_anchors: int, block_size: int, generator: torch.Generator
+    loss_mask: torch.Tensor, max_anchors: int, block_size: int, generator: torch.Generator, stride: bool = False
 ) -> BlockLayout:
     """Up to `max_anchors` anchors per sequence, uniformly without replacement among the
-    candidates, sorted. Padding blocks (anchor 0, valid False) fill shorter rows."""
+    candidates, sorted. Padding blocks (anchor 0, valid False) fill shorter rows. `stride`: only
+    candidates B apart from each row's first one (consecutive, non-overlapping blocks)."""
     candidates = anchor_candidates(loss_mask)
+    if stride:
+        first = candidates.float().argmax(dim=1, keepdim=True)
+        offset = torch.arange(candidates.shape[1], device=candidates.device)[None] - first
+        candidates = candidates & (offset % block_size == 0)
     scores = torch.rand(candidates.shape, generator=generator).to(candidates.device)
     scores = scores.masked_fill(~candidates, -1.0)
     count = int(candidates.sum(dim=1).clamp(max=max_anchors).max().item())
@@ -103,6 +108,29 @@ class LossOutput:
     weight_sum: torch.Tensor  # sum of w * m, the loss normaliser
 
 
+def dpace_weights(ce: torch.Tensor, scored: torch.Tensor, block_size: int, alpha: float) -> torch.Tensor:
+    """D-PACE position weights (detached) for the scored slots of [b, Q] blocks: the draft's
+    confidence q = exp(-CE) in the right token, smoothed to q~ = (1 - alpha) q + alpha, and
+    w_j = sum over scored m >= j of prod_{i <= m} q~_i: the expected accepted length that slot j
+    still leads to. Unscored slots count as certain in the products and add nothing to the sums.
+    `ce` holds the per-slot CE at the scored slots (anything elsewhere)."""
+    with torch.no_grad():
+        b = scored.shape[0]
+        q = torch.where(scored, (1 - alpha) * torch.exp(-ce.float()) + alpha, torch.ones_like(ce, dtype=torch.float32))
+        prefix = q.view(b, -1, block_size).cumprod(dim=-1) * scored.view(b, -1, block_size)
+        suffix = prefix.flip(-1).cumsum(-1).flip(-1)
+        return (suffix.view(b, -1) * scored).detach()
+
+
+@dataclass
+class LossTerms:
+    """Which losses make up the objective, and their knobs."""
+
+    kind: str = "ce"  # ce (slot weights) | dpace | ce+dpace
+    dpace_alpha: float = 0.5
+    dpace_weight: float = 1.0  # of the D-PACE term in ce+dpace
+
+
 def dflash_loss(
     hidden: torch.Tensor,
     blocks: Blocks,
@@ -112,125 +140,131 @@ def dflash_loss(
     kl_weight: float = 0.0,
     chunk_size: int = 4096,
     fused: bool = True,
+    terms: LossTerms | None = None,
 ) -> LossOutput:
-    """sum(w * m * CE) / sum(w * m) over scored slots (+ kl_weight * the same-weighted KL to
-    the target's distribution). Only scored positions go through the lm_head, in chunks, so the
-    [positions x vocab] logits never exist all at once. `fused` (CE only): each chunk's gradient
-    is taken in the forward pass and the logits freed at once (`linear_cross_entropy`); otherwise
-    autograd keeps every chunk's logits until backward.
+    """The objective over scored slots: slot-weighted CE sum(w * m * CE) / sum(w * m), or the
+    D-PACE-weighted CE, or both (`terms`), + kl_weight * the slot-weighted KL to the target's
+    distribution. Only scored positions go through the lm_head, in chunks, so [positions x vocab]
+    logits never exist all at once; `fused` (no KL) takes each chunk's gradient in the forward.
 
     hidden [b, Q, D] drafter output; teacher_hidden [b, S, D] the target's final normed hidden
     state: its row a+j-1 gives the target's distribution for x[a+j].
     """
-    b, q = blocks.label_mask.shape
+    terms = terms or LossTerms()
     bs = blocks.layout.block_size
-    slot = torch.arange(q, device=hidden.device) % bs
     mask = blocks.label_mask
     sel = mask.nonzero(as_tuple=True)
-    w = weights.to(hidden.device)[slot][None].expand(b, q)[sel]
-    labels = blocks.labels[sel]
-    h = hidden[sel]
-    weight_sum = w.sum().clamp(min=1e-6)
+    slots = sel[1] % bs
+    w = weights.to(hidden.device)[slots]
     distill = teacher_hidden is not None and kl_weight > 0
-    if fused and not distill:
-        ce_sum, correct = linear_cross_entropy(h, lm_head.weight, labels, w, chunk_size)
-        kl_sum = ce_sum.new_zeros(())
-    else:
-        teacher_rows = (blocks.positions - 1)[sel] if distill else None
-        ce_sum = hidden.new_zeros((), dtype=torch.float32)
-        kl_sum = hidden.new_zeros((), dtype=torch.float32)
-        correct = torch.zeros(h.shape[0], dtype=torch.bool, device=h.device)
-        for start in range(0, h.shape[0], chunk_size):
-            part = slice(start, start + chunk_size)
-            logits = lm_head(h[part]).float()
-            ce_sum = ce_sum + (F.cross_entropy(logits, labels[part], reduction="none") * w[part]).sum()
-            correct[part] = logits.argmax(-1) == labels[part]
-            if distill:
-                with torch.no_grad():
-                    t = teacher_hidden[sel[0][part], teacher_rows[part]]
-                    teacher_logp = F.log_softmax(lm_head(t).float(), dim=-1)
-                kl = F.kl_div(F.log_softmax(logits, -1), teacher_logp, log_target=True, reduction="none").sum(-1)
-                kl_sum = kl_sum + (kl * w[part]).sum()
-    ce = ce_sum / weight_sum
-    kl = kl_sum / weight_sum
-    loss = ce + kl_weight * kl if kl_weight > 0 else ce
-    slots = slot[sel[1]]
-    slot_correct = torch.zeros(bs, device=h.device).index_add_(0, slots, correct.float())
-    slot_count = torch.zeros(bs, device=h.device).index_add_(0, slots, torch.ones_like(w))
-    return LossOutput(
-        loss=loss,
-        ce=ce.detach(),
-        kl=kl.detach(),
-        slot_correct=slot_correct,
-        slot_count=slot_count,
-        block_streaks=block_streaks(correct, mask, bs),
-        weight_sum=weight_sum.detach(),
-    )
+    teacher = (teacher_hidden, (blocks.positions - 1)[sel], sel[0]) if distill else None
+    ce_rows, kl_rows, correct = row_losses(hidden[sel], lm_head, blocks.labels[sel], chunk_size, fused, teacher)
+    weight_sum = w.sum().clamp(min=1e-6)
+    ce = (ce_rows * w).sum() / weight_sum
+    kl = (kl_rows * w).sum() / weight_sum
+    loss = ce if terms.kind != "dpace" else ce.new_zeros(())
+    if terms.kind in ("dpace", "ce+dpace"):
+        full = torch.zeros(mask.shape, device=hidden.device)
+        full[sel] = ce_rows.detach()
+        dw = dpace_weights(full, mask, bs, terms.dpace_alpha)[sel]
+        dpace = (ce_rows * dw).sum() / dw.sum().clamp(min=1e-6)
+        loss = loss + (terms.dpace_weight if terms.kind == "ce+dpace" else 1.0) * dpace
+    if kl_weight > 0:
+        loss = loss + kl_weight * kl
+    slot_correct = torch.zeros(bs, device=hidden.device).index_add_(0, slots, correct.float())
+    slot_count = torch.zeros(bs, device=hidden.device).index_add_(0, slots, torch.ones_like(w))
+    return LossOutput(loss=loss, ce=ce.detach(), kl=kl.detach(), slot_correct=slot_correct, slot_count=slot_count,
+                      block_streaks=block_streaks(correct, mask, bs), weight_sum=weight_sum.detach())
 
 
-def _cross_entropy_chunk(logits: torch.Tensor, labels: torch.Tensor, w: torch.Tensor, want_grad: bool):
-    """One chunk of logits [n, V] (the lm_head's dtype): (sum of w * CE, argmax == label, and
-    d(sum w * CE)/d logits = w * (softmax - onehot) in the logits' dtype, or None). Written as
-    plain tensor code so that on a GPU `torch.compile` fuses it into a reduction over V and one
-    pointwise pass, instead of eager passes that each write an [n, V] float32 array."""
+def row_losses(h: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor, chunk_size: int, fused: bool,
+               teacher=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per scored row: CE (float32, differentiable in h), KL to the teacher (zeros without one),
+    argmax == label. `teacher` = (teacher_hidden [b, S, D], row index, batch index) per row."""
+    if fused and teacher is None:
+        ce, correct = linear_cross_entropy(h, lm_head.weight, labels, chunk_size)
+        return ce, torch.zeros_like(ce), correct
+    ce_parts, kl_parts, correct_parts = [], [], []
+    for start in range(0, h.shape[0], chunk_size):
+        part = slice(start, start + chunk_size)
+        logits = lm_head(h[part]).float()
+        ce_parts.append(F.cross_entropy(logits, labels[part], reduction="none"))
+        correct_parts.append(logits.argmax(-1) == labels[part])
+        if teacher is None:
+            kl_parts.append(torch.zeros_like(ce_parts[-1]))
+            continue
+        teacher_hidden, rows, batch = teacher
+        with torch.no_grad():
+            teacher_logp = F.log_softmax(lm_head(teacher_hidden[batch[part], rows[part]]).float(), dim=-1)
+        kl_parts.append(F.kl_div(F.log_softmax(logits, -1), teacher_logp, log_target=True, reduction="none").sum(-1))
+    if not ce_parts:
+        empty = h.new_zeros(0, dtype=torch.float32) + h.sum() * 0  # keeps the graph for an empty selection
+        return empty, empty.detach(), torch.zeros(0, dtype=torch.bool, device=h.device)
+    return torch.cat(ce_parts), torch.cat(kl_parts), torch.cat(correct_parts)
+
+
+def _cross_entropy_chunk(logits: torch.Tensor, labels: torch.Tensor, want_grad: bool):
+    """One chunk of logits [n, V] (the lm_head's dtype): (CE per row, argmax == label, and
+    dCE/d logits = softmax - onehot in the logits' dtype, or None). Written as plain tensor code
+    so that on a GPU `torch.compile` fuses it into a reduction over V and one pointwise pass,
+    instead of eager passes that each write an [n, V] float32 array."""
     x = logits.float()
     lse = torch.logsumexp(x, dim=-1)
     target = x.gather(1, labels[:, None]).squeeze(1)
-    ce_sum = ((lse - target) * w).sum()
     correct = x.argmax(dim=-1) == labels
     if not want_grad:
-        return ce_sum, correct, None
+        return lse - target, correct, None
     onehot = torch.arange(x.shape[1], device=x.device)[None, :] == labels[:, None]
-    grad = ((x - lse[:, None]).exp() - onehot.float()) * w[:, None]
-    return ce_sum, correct, grad.to(logits.dtype)
+    grad = (x - lse[:, None]).exp() - onehot.float()
+    return lse - target, correct, grad.to(logits.dtype)
 
 
 _compiled_chunk = None
 
 
-def cross_entropy_chunk(logits, labels, w, want_grad):
+def cross_entropy_chunk(logits, labels, want_grad):
     """`_cross_entropy_chunk`, compiled once per process on CUDA (dynamic: chunks vary in rows)."""
     global _compiled_chunk
     if logits.device.type != "cuda":
-        return _cross_entropy_chunk(logits, labels, w, want_grad)
+        return _cross_entropy_chunk(logits, labels, want_grad)
     if _compiled_chunk is None:
         _compiled_chunk = torch.compile(_cross_entropy_chunk, dynamic=True)
-    return _compiled_chunk(logits, labels, w, want_grad)
+    return _compiled_chunk(logits, labels, want_grad)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """sum_i w_i * CE(h_i @ W^T, y_i) with the gradient for h computed chunk by chunk in the
+    """CE(h_i @ W^T, y_i) per row, with each row's gradient for h computed chunk by chunk in the
     forward pass: only [N, D] is kept for backward, never [N, V] logits (for a 152K vocab that
-    is 1.2 MB per scored position in float32, several GB per sequence)."""
+    is 1.2 MB per scored position in float32, several GB per sequence). Rows are independent, so
+    any weighting of the rows afterwards (slot weights, D-PACE, a global normaliser) only scales
+    each row's kept gradient."""
 
     @staticmethod
-    def forward(ctx, h, weight, labels, w, chunk_size):
+    def forward(ctx, h, weight, labels, chunk_size):
         want_grad = ctx.needs_input_grad[0]
         grad_h = torch.empty_like(h) if want_grad else None
-        ce_sum = torch.zeros((), dtype=torch.float32, device=h.device)
+        ce = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
         correct = torch.empty(h.shape[0], dtype=torch.bool, device=h.device)
         for start in range(0, h.shape[0], chunk_size):
             part = slice(start, start + chunk_size)
-            part_sum, correct[part], grad_logits = cross_entropy_chunk(h[part] @ weight.t(), labels[part], w[part],
-                                                                       want_grad)
-            ce_sum += part_sum
+            ce[part], correct[part], grad_logits = cross_entropy_chunk(h[part] @ weight.t(), labels[part], want_grad)
             if want_grad:
                 grad_h[part] = grad_logits @ weight
         ctx.save_for_backward(grad_h)
         ctx.mark_non_differentiable(correct)
-        return ce_sum, correct
+        return ce, correct
 
     @staticmethod
     def backward(ctx, grad_ce, _grad_correct):
         (grad_h,) = ctx.saved_tensors
-        return grad_h * grad_ce.to(grad_h.dtype), None, None, None, None
+        return grad_h * grad_ce.to(grad_h.dtype)[:, None], None, None, None
 
 
-def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, w: torch.Tensor,
+def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                          chunk_size: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of w-weighted CE of h @ weight^T against labels as float32, argmax == label per row);
-    the weight is frozen (no gradient for it)."""
-    return _LinearCrossEntropy.apply(h, weight.detach(), labels, w.float(), chunk_size)
+    """(CE of h @ weight^T against labels per row as float32, argmax == label per row); the
+    weight is frozen (no gradient for it)."""
+    return _LinearCrossEntropy.apply(h, weight.detach(), labels, chunk_size)
 
 
 def block_streaks(correct: torch.Tensor, mask: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -248,11 +282,3 @@ def expected_acceptance_length(slot_accuracy: torch.Tensor) -> float:
     """EAL = sum_{k=1}^{B-1} prod_{j<=k} acc_j over slots 1..B-1 (the +1 bonus NOT included)."""
     acc = slot_accuracy[1:].double()
     return float(torch.cumprod(acc, dim=0).sum())
-
-
-def feature_noise_std(step: int, total_steps: int, start_std: float) -> float:
-    """Gaussian feature-noise std: cosine decay from `start_std` to 0 over the run."""
-    if start_std <= 0 or total_steps <= 0:
-        return 0.0
-    progress = min(step / total_steps, 1.0)
-    return start_std * 0.5 * (1.0 + math.cos(math.pi * progress))

@@ -23,7 +23,8 @@ class TargetError(ValueError):
 
 def default_target_layer_ids(num_layers: int, num_features: int) -> list[int]:
     """`num_features` layer ids spaced uniformly from 1 to num_layers-3 (e.g. 36 layers, 5
-    features -> [1, 9, 17, 25, 33]); shallow targets fall back to the whole depth."""
+    features -> [1, 9, 17, 25, 33]; one feature -> the middle of that span, [17]); shallow
+    targets fall back to the whole depth."""
     if num_features < 1 or num_features > num_layers:
         raise TargetError(
             f"--num-target-features {num_features}: the target has {num_layers} layers; "
@@ -31,6 +32,8 @@ def default_target_layer_ids(num_layers: int, num_features: int) -> list[int]:
         )
     for first, last in ((1, num_layers - 3), (0, num_layers - 1)):
         if last >= first:
+            if num_features == 1:
+                return [round((first + last) / 2)]
             ids = torch.linspace(first, last, num_features).round().long().tolist()
             if len(set(ids)) == num_features:
                 return ids

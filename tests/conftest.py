@@ -40,9 +40,10 @@ def tiny_target(arch: str = "qwen3", dtype: torch.dtype = torch.float64, seed: i
     return FrozenTarget(model, default_target_layer_ids(model.config.num_hidden_layers, 3))
 
 
-def tiny_drafter(target: FrozenTarget, block_size: int = 4, num_layers: int = 2, seed: int = 1) -> DFlashDrafter:
+def tiny_drafter(target: FrozenTarget, block_size: int = 4, num_layers: int = 2, seed: int = 1,
+                 window: int = 0) -> DFlashDrafter:
     torch.manual_seed(seed)
-    config = drafter_config(target.model.config, num_layers, target.layer_ids, block_size, MASK_ID)
+    config = drafter_config(target.model.config, num_layers, target.layer_ids, block_size, MASK_ID, window=window)
     return DFlashDrafter(config).to(target.embed_tokens.weight.dtype)
 
 
@@ -106,3 +107,14 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+TINY_RUN_STEPS = 8  # optimizer steps of a tiny_args run
+
+
+def tiny_args(setup: dict, out: Path, *extra: str) -> list[str]:
+    """train_drafter.py flags for a few seconds' run on the tiny_setup target and data."""
+    return ["--target", str(setup["target"]), "--train-data", str(setup["train"]), "--output-dir", str(out),
+            "--max-steps", str(TINY_RUN_STEPS), "--log-every", "1", "--num-draft-layers", "1", "--block-size", "4",
+            "--max-anchors", "8", "--max-length", "96", "--max-tokens", "256", "--num-target-features", "2",
+            "--report-to", "none", "--eval-prompts", "0", "--transport-timeout-s", "60", "--seed", "3", *extra]

@@ -47,7 +47,7 @@ def main(out_path: str) -> None:
         for index in mine:
             ids, loss_mask = micro_batch(s, index)
             blocks = step.sample_blocks(ids, loss_mask, torch.Generator().manual_seed(7 * s + index))
-            engine.backward(step.loss(blocks, target.features(ids)).loss)
+            engine.backward(step.loss(blocks, target.features(ids).features).loss)
             engine.step()
     if rank == 0:
         state = {k: v.tolist() for k, v in engine.module.state_dict().items()}

@@ -18,7 +18,7 @@ from typing import Callable
 
 import numpy as np
 
-from dflash.transport.link import POLL_S, Link, Op, PairGroups, Watchdog, check_hello, close_links, open_links
+from dflash.transport.link import POLL_S, Op, PairGroups, Watchdog, check_hello, close_links, open_links
 from dflash.transport.routing import RouteView, pick_target
 from dflash.transport.wire import (REQUEST, RESPONSE_HEADER_LEN, STATUS_OK, STOP, WARMUP_BYTES, FeatureBatch,
                                    TransportError, TransportSpec, split_payload)
@@ -194,7 +194,7 @@ class DrafterClient:
         self._learn_speed(req, backlog, service_us)
         input_ids, features, *rest, mask = split_payload(link.hand_over(req.payload),
                                                          self.spec.payload_parts(*req.shape))
-        return FeatureBatch(req.step, input_ids, mask.bool(), features, rest[0] if rest else None, req.target)
+        return FeatureBatch(input_ids, mask.bool(), features, rest[0] if rest else None, target_rank=req.target)
 
     def _learn_speed(self, req: _Request, backlog: int, service_us: int) -> None:
         self._route.backlog[req.target] = backlog

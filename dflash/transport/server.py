@@ -18,13 +18,12 @@ from typing import Callable, Iterator
 
 import torch
 
-from dflash.transport.link import POLL_S, Link, Op, PairGroups, Watchdog, check_hello, close_links, open_links
+from dflash.transport.link import POLL_S, Op, PairGroups, Watchdog, check_hello, close_links, open_links
 from dflash.transport.wire import (REQUEST, REQUEST_HEADER_LEN, STATUS_BAD_SHAPE, STATUS_OK, STOP, WARMUP_BYTES,
-                                   TransportError, TransportSpec, join_payload)
+                                   FeatureBatch, TransportError, TransportSpec, join_payload)
 
 logger = logging.getLogger(__name__)
 
-Computed = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
 @dataclass
@@ -86,11 +85,10 @@ class _ServeState:
 
 
 class TargetServer:
-    """Serves drafter requests: compute(sample_ids) -> (input_ids [b,S], loss_mask [b,S] bool,
-    features [b,S,F], final_hidden [b,S,D] | None), S the longest of those samples."""
+    """Serves drafter requests: compute(sample_ids) -> FeatureBatch, S the longest of those samples."""
 
     def __init__(self, rank: int, drafter_ranks: list[int], spec: TransportSpec,
-                 compute: Callable[[list[int]], Computed], groups: PairGroups) -> None:
+                 compute: Callable[[list[int]], FeatureBatch], groups: PairGroups) -> None:
         self.rank, self.spec, self.compute, self.drafters = rank, spec, compute, sorted(drafter_ranks)
         self._links = open_links(rank, "target", self.drafters, groups, spec.device)
         self._clock = _ServiceClock(spec.device)
@@ -192,10 +190,10 @@ class TargetServer:
             raise link.error(where, f"compute() returned {problem}",
                              "Check that both sides read the same dataset (lengths).")
 
-    def _wire_tensors(self, computed: Computed, shape: tuple[int, int]) -> tuple[list[torch.Tensor], str]:
+    def _wire_tensors(self, batch: FeatureBatch, shape: tuple[int, int]) -> tuple[list[torch.Tensor], str]:
         """The payload tensors in wire order and dtypes, or what does not fit the request."""
         spec = self.spec
-        input_ids, loss_mask, features, final_hidden = computed
+        input_ids, loss_mask, features, final_hidden = batch.input_ids, batch.loss_mask, batch.features, batch.final_hidden
         expected = {"input_ids": (input_ids, shape), "loss_mask": (loss_mask, shape),
                     "features": (features, (*shape, spec.feature_dim))}
         if spec.with_final_hidden:

@@ -37,14 +37,21 @@ class TransportError(RuntimeError):
 
 @dataclass
 class FeatureBatch:
-    """One micro-batch as the drafter receives it."""
+    """One micro-batch from the target to the drafter step: the samples' tokens and loss mask
+    with what the target computed for them. The one type whether the target ran on this rank
+    (dflash.feature_source.compute_features) or came over the transport (the server sends it,
+    the client receives it)."""
 
-    step: int
     input_ids: torch.Tensor  # [b, S] int64, right padded
     loss_mask: torch.Tensor  # [b, S] bool
     features: torch.Tensor  # [b, S, F]
-    final_hidden: torch.Tensor | None  # [b, S, D] when distillation is on
-    target_rank: int
+    final_hidden: torch.Tensor | None = None  # [b, S, D] when distillation is on
+    target_rank: int | None = None  # the rank that computed it, when it came over the transport
+
+    def to(self, device: torch.device) -> FeatureBatch:
+        final = self.final_hidden.to(device) if self.final_hidden is not None else None
+        return FeatureBatch(self.input_ids.to(device), self.loss_mask.to(device), self.features.to(device), final,
+                            self.target_rank)
 
 
 @dataclass

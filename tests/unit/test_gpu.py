@@ -12,15 +12,16 @@ from dflash.attention import BlockLayout, attend, dense_block_mask, flex_block_m
 pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.parametrize("window", [0, 64], ids=["full", "window64"])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
-def test_flex_matches_dense_sdpa(dtype, tol):
+def test_flex_matches_dense_sdpa(dtype, tol, window):
     assert torch.cuda.is_available(), "the gpu tests need a CUDA device"
     torch.manual_seed(0)
     b, s, n, bs, hq, hkv, d = 2, 300, 24, 16, 8, 2, 64
     anchors = torch.stack([torch.randperm(s - 2)[:n].sort().values for _ in range(b)]).cuda()
     valid = torch.ones(b, n, dtype=torch.bool, device="cuda")
     valid[1, -5:] = False  # padding blocks
-    layout = BlockLayout(anchors, valid, s, bs)
+    layout = BlockLayout(anchors, valid, s, bs, window=window)
     q = torch.randn(b, hq, n * bs, d, device="cuda", dtype=dtype, requires_grad=True)
     k = torch.randn(b, hkv, s + n * bs, d, device="cuda", dtype=dtype, requires_grad=True)
     v = torch.randn(b, hkv, s + n * bs, d, device="cuda", dtype=dtype, requires_grad=True)
@@ -73,7 +74,6 @@ def test_fast_training_step_matches_the_naive_one(dtype, tol):
     """Flex attention + fused lm_head loss + compiled layers give the loss and every parameter
     gradient of dense-mask SDPA + full logits + eager layers, on a realistic block layout
     (sampled anchors, padding blocks, two rows of different response spans)."""
-    from dflash.target import TargetOutputs
 
     b, s = 2, 400
     generator = torch.Generator().manual_seed(0)
@@ -86,7 +86,7 @@ def test_fast_training_step_matches_the_naive_one(dtype, tol):
     for kernels in ("fast", "naive"):
         step = drafter_step_for(kernels, dtype)
         blocks = step.sample_blocks(ids, loss_mask, torch.Generator().manual_seed(1))
-        out = step.loss(blocks, TargetOutputs(features=features))
+        out = step.loss(blocks, features)
         out.loss.backward()
         grads = {name: p.grad.float() for name, p in step.drafter.named_parameters()}
         results.append((out.loss.detach().float(), grads, out.slot_correct))

@@ -54,6 +54,14 @@ def test_missing_data_file(capsys, paths):
     (["--gamma", "0"], "--gamma 0.0"),
     (["--warmup-ratio", "1.5"], "--warmup-ratio 1.5"),
     (["--resume", "--overwrite"], "exclude each other"),
+    (["--loss", "kl"], "--loss kl: use ce, dpace or ce+dpace"),
+    (["--dpace-alpha", "0"], "--dpace-alpha 0.0"),
+    (["--slot-weights", "linear"], "--slot-weights linear"),
+    (["--anchors", "every"], "--anchors every"),
+    (["--draft-window=-1"], "--draft-window -1"),
+    (["--optimizer", "sgd"], "--optimizer sgd: use adamw or muon"),
+    (["--lr-schedule", "linear"], "--lr-schedule linear"),
+    (["--lr-schedule", "wsd", "--warmup-ratio", "0.5", "--decay-ratio", "0.6"], "--decay-ratio 0.6"),
 ])
 def test_impossible_settings(capsys, paths, flags, fragment):
     fails_with(capsys, ["--target", paths["target"], "--train-data", paths["data"], *flags], fragment)

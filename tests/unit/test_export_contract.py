@@ -56,3 +56,20 @@ def test_the_older_vllm_reading_without_the_eagle_key_agrees(tmp_path):
                          / "config.json").read_text())
     legacy = {k: v for k, v in config.items() if k != "eagle_aux_hidden_state_layer_ids"}
     assert vllm_hidden_state_ids(legacy) == vllm_hidden_state_ids(config) == sglang_hidden_state_ids(config)
+
+
+def test_a_sliding_window_drafter_exports_the_window_keys_and_loads_back(tmp_path):
+    """Engines read `layer_types` + `sliding_window` (HF style) or `dflash_config.use_swa` +
+    `swa_window_size`; our own loader must get the same window back."""
+    from dflash.export import load_drafter
+
+    target = tiny_target("qwen3", dtype=torch.float32)
+    folder = export_drafter(tiny_drafter(target, window=24).float(), tmp_path / "d", torch.float32)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["layer_types"] == ["sliding_attention"] * config["num_hidden_layers"]
+    assert config["sliding_window"] == 24 and config["use_sliding_window"] is True
+    assert config["dflash_config"]["use_swa"] is True and config["dflash_config"]["swa_window_size"] == 24
+    assert load_drafter(folder).window == 24
+    full = json.loads((export_drafter(tiny_drafter(target).float(), tmp_path / "f", torch.float32)
+                       / "config.json").read_text())
+    assert "use_swa" not in full["dflash_config"] and set(full["layer_types"]) == {"full_attention"}

@@ -12,9 +12,8 @@ import torch
 import transformers
 
 import dflash.speculative as speculative
-from conftest import run_trainer, write_chat_jsonl
+from conftest import run_trainer, tiny_args, write_chat_jsonl
 from dflash.target import FrozenTarget, TargetError, default_target_layer_ids, load_target_config
-from test_multiprocess import tiny_args
 from tiny_tokenizer import make_tiny_tokenizer
 
 WINDOW = 6

@@ -42,7 +42,7 @@ def test_teacher_forced_tau_equals_real_tau_on_the_demo_target():
         for i in range(60):  # enough for multi-token acceptance
             batch = collate(data, list(range(4 * i, 4 * i + 4)), tokenizer.pad_token_id)
             out = step.loss(step.sample_blocks(batch["input_ids"], batch["loss_mask"], generator),
-                            target.features(batch["input_ids"]))
+                            target.features(batch["input_ids"]).features)
             out.loss.backward()
             optimizer.step()
             optimizer.zero_grad()

@@ -41,6 +41,7 @@ def test_expected_acceptance_length_formula():
 
 def test_default_target_layers():
     assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(36, 1) == [17]  # one feature: the middle of the span, as in the reference
     assert default_target_layer_ids(8, 5) == [1, 2, 3, 4, 5]
     assert len(set(default_target_layer_ids(4, 4))) == 4
 
@@ -154,7 +155,7 @@ def test_short_run_lowers_loss_and_raises_accuracy():
     ids = torch.stack([cycle.roll(k).repeat(5) for k in range(4)])  # [4, 40]
     loss_mask = torch.ones_like(ids, dtype=torch.bool)
     loss_mask[:, :8] = False
-    features = target.features(ids)
+    features = target.features(ids).features
     history = []
     for i in range(60):
         blocks = step.sample_blocks(ids, loss_mask, torch.Generator().manual_seed(i))
@@ -187,10 +188,71 @@ def test_distillation_uses_the_target_distribution_of_the_previous_position():
     assert math.isclose(float(off.loss.detach()), float(off.ce + off.kl), rel_tol=1e-5)
 
 
-def test_feature_noise_schedule_decays_to_zero():
-    from dflash.objective import feature_noise_std
+def test_dpace_weights_by_hand():
+    """Two blocks of B=4 (slot 0 is the anchor, never scored); in the second, slot 2 is unscored.
+    alpha 0.5: q~ = 0.5 q + 0.5, w_j = sum over scored m >= j of prod_{i <= m} q~_i."""
+    from dflash.objective import dpace_weights
 
-    assert feature_noise_std(0, 100, 0.1) == 0.1
-    assert 0 < feature_noise_std(50, 100, 0.1) < 0.1
-    assert feature_noise_std(100, 100, 0.1) == 0.0
-    assert feature_noise_std(10, 100, 0.0) == 0.0
+    q = torch.tensor([[1.0, 0.8, 0.5, 0.2, 1.0, 0.8, 0.3, 0.2]])
+    scored = torch.tensor([[False, True, True, True, False, True, False, True]])
+    weights = dpace_weights(-q.log(), scored, 4, alpha=0.5)
+    # block 1: q~ = .9, .75, .6 -> prefix .9, .675, .405 -> w = 1.98, 1.08, .405
+    # block 2: q~ = .9, (1, unscored), .6 -> prefix .9, .9, .54 -> w = .9 + .54, 0, .54
+    want = torch.tensor([[0.0, 1.98, 1.08, 0.405, 0.0, 1.44, 0.0, 0.54]])
+    assert torch.allclose(weights, want, atol=1e-6)
+    assert not weights.requires_grad
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_dpace_loss_is_its_weighted_mean_and_the_weights_carry_no_gradient(fused):
+    from dflash.objective import LossTerms, dpace_weights
+
+    torch.manual_seed(0)
+    b, s, bs, d, v = 2, 30, 4, 16, 37
+    ids = torch.randint(0, v, (b, s))
+    loss_mask = torch.zeros(b, s, dtype=torch.bool)
+    loss_mask[:, 4:] = True
+    blocks = build_blocks(ids, loss_mask, sample_anchors(loss_mask, 5, bs, torch.Generator().manual_seed(0)), v - 1)
+    head = torch.nn.Linear(d, v, bias=False).requires_grad_(False)
+    hidden = torch.randn(b, blocks.input_ids.shape[1], d, requires_grad=True)
+    out = dflash_loss(hidden, blocks, head, slot_weights(bs, 2.0), fused=fused, terms=LossTerms("dpace", 0.5))
+    out.loss.backward()
+    # reference: per-slot CE by plain autograd, D-PACE weights as constants
+    ref_hidden = hidden.detach().clone().requires_grad_(True)
+    ce = torch.nn.functional.cross_entropy(head(ref_hidden).flatten(0, 1), blocks.labels.flatten(),
+                                           reduction="none").view(b, -1)
+    w = dpace_weights(ce.detach(), blocks.label_mask, bs, 0.5)
+    ref = (ce * w).sum() / w.sum()
+    ref.backward()
+    assert torch.allclose(out.loss, ref, rtol=1e-5)
+    assert torch.allclose(hidden.grad, ref_hidden.grad, rtol=1e-4, atol=1e-7)
+    both = dflash_loss(hidden, blocks, head, slot_weights(bs, 2.0), fused=fused, terms=LossTerms("ce+dpace", 0.5, 0.3))
+    assert torch.allclose(both.loss, both.ce + 0.3 * ref, rtol=1e-5)
+
+
+def test_stride_anchors_are_a_block_apart_and_uniform_weights_are_flat():
+    loss_mask = torch.zeros(2, 40, dtype=torch.bool)
+    loss_mask[0, 5:] = True
+    loss_mask[1, 11:30] = True
+    layout = sample_anchors(loss_mask, 100, 4, torch.Generator().manual_seed(0), stride=True)
+    assert layout.anchors[0][layout.valid[0]].tolist() == list(range(5, 39, 4))
+    assert layout.anchors[1][layout.valid[1]].tolist() == list(range(11, 29, 4))
+    assert slot_weights(4, None).tolist() == [0.0, 1.0, 1.0, 1.0]
+
+
+def test_zeroed_features_control_ignores_the_features():
+    from dflash.drafter_step import DrafterStep, StepSettings
+
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    settings = StepSettings(max_anchors=8, slot_weights=slot_weights(4, 4.0), attention_backend="sdpa",
+                            zero_features=True)
+    step = DrafterStep(drafter, target.embed_tokens, target.lm_head, settings)
+    ids = torch.randint(0, 50, (2, 24))
+    loss_mask = torch.ones_like(ids, dtype=torch.bool)
+    blocks = step.sample_blocks(ids, loss_mask, torch.Generator().manual_seed(0))
+    features = target.features(ids).features
+    one = step.loss(blocks, features).loss
+    assert torch.equal(one, step.loss(blocks, torch.randn_like(features)).loss)
+    settings.zero_features = False
+    assert not torch.equal(one, step.loss(blocks, features).loss)

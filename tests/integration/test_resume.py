@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_trainer, start_ranks
+from conftest import run_trainer, start_ranks, tiny_args
 from dflash.checkpoint import STATE_FILE, latest_checkpoint
-from test_multiprocess import tiny_args
 
 STEPS = 12
 
@@ -72,12 +71,12 @@ def test_sigkill_and_resume_reproduces_the_uninterrupted_run(tiny_setup, tmp_pat
 @pytest.mark.parametrize("before, after", [(2, 1), (1, 2)], ids=["2-to-1", "1-to-2"])
 def test_resume_on_another_number_of_drafter_ranks(tmp_path, before, after):
     """A node lost or added: the ZeRO-sharded state is resharded through DeepSpeed's universal
-    layout, the epoch continues over the samples not yet used (tests/test_sampler.py pins that
+    layout, the epoch continues over the samples not yet used (tests/unit/test_sampler.py pins that
     exactly), the learning rate stays on its curve and the loss goes on without a jump. On the
     demo target and data, which a drafter learns quickly (random data would not show a jump)."""
     import torch
 
-    from dflash.train import LRSchedule
+    from dflash.schedules import LRSchedule
 
     steps, out = 24, tmp_path / "run"
     args = ["--output-dir", str(out), "--max-steps", str(steps), "--save-every", "12", "--log-every", "1",

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, free_port
-from test_multiprocess import stop_a_target_mid_run, tiny_args
+from conftest import REPO, free_port, tiny_args
+from test_multiprocess import stop_a_target_mid_run
 
 pytestmark = pytest.mark.gpu
 # Short, so that the dead-peer tests end fast; training runs get more, since the drafter's first

@@ -17,9 +17,9 @@ ANCHORS = [12, 20, 27]
 SEQ = 40
 
 
-def make_step(arch: str = "qwen3"):
+def make_step(arch: str = "qwen3", window: int = 0):
     target = tiny_target(arch)
-    drafter = tiny_drafter(target, block_size=BLOCK)
+    drafter = tiny_drafter(target, block_size=BLOCK, window=window)
     settings = StepSettings(max_anchors=8, slot_weights=slot_weights(BLOCK, 4.0), attention_backend="sdpa")
     return target, DrafterStep(drafter, target.embed_tokens, target.lm_head, settings)
 
@@ -124,9 +124,36 @@ def test_dense_mask_pattern():
     assert torch.equal(mask, expected)
 
 
+def test_windowed_mask_pattern():
+    layout = BlockLayout(anchors=torch.tensor([[3, 6]]), valid=torch.tensor([[True, True]]),
+                         context_len=8, block_size=2, window=2)
+    mask = dense_block_mask(layout)[0, 0]
+    expected = torch.zeros(4, 12, dtype=torch.bool)
+    expected[0:2, 1:3] = True  # block 0 (anchor 3) sees context 1..2
+    expected[2:4, 4:6] = True  # block 1 (anchor 6) sees context 4..5
+    expected[0:2, 8:10] = True
+    expected[2:4, 10:12] = True
+    assert torch.equal(mask, expected)
+
+
+def test_a_windowed_block_ignores_features_before_its_window():
+    window = 5
+    target, step = make_step("qwen3", window=window)
+    ids, loss_mask = sequence()
+    features = target.features(ids).features
+    base = block_logits(step, ids, loss_mask, features)
+    anchor = ANCHORS[1]
+    for pos, inside in ((anchor - window - 1, False), (anchor - window, True)):
+        changed = features.clone()
+        changed[:, pos] += 1.0
+        moved = (block_logits(step, ids, loss_mask, changed)[1] - base[1]).abs().max()
+        assert (moved > 1e-6) == inside, (pos, float(moved))
+
+
+@pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("chunks", [[20], [7, 13]])
-def test_training_forward_equals_cached_inference(arch, chunks):
-    target, step = make_step(arch)
+def test_training_forward_equals_cached_inference(arch, chunks, window):
+    target, step = make_step(arch, window=window)
     ids, loss_mask = sequence()
     features = target.features(ids).features
     logits = block_logits(step, ids, loss_mask, features)

@@ -12,16 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_trainer, start_ranks
-
-STEPS = 8
-
-
-def tiny_args(setup: dict, out: Path, *extra: str) -> list[str]:
-    return ["--target", str(setup["target"]), "--train-data", str(setup["train"]), "--output-dir", str(out),
-            "--max-steps", str(STEPS), "--log-every", "1", "--num-draft-layers", "1", "--block-size", "4",
-            "--max-anchors", "8", "--max-length", "96", "--max-tokens", "256", "--num-target-features", "2",
-            "--report-to", "none", "--eval-prompts", "0", "--transport-timeout-s", "60", "--seed", "3", *extra]
+from conftest import TINY_RUN_STEPS as STEPS
+from conftest import run_trainer, start_ranks, tiny_args
 
 
 def losses(out: Path) -> list[float]:
