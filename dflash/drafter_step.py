@@ -14,7 +14,7 @@ from torch import nn
 
 from dflash.attention import BlockLayout, build_mask
 from dflash.model import DFlashDrafter
-from dflash.objective import Blocks, LossOutput, LossTerms, build_blocks, dflash_loss, sample_anchors
+from dflash.objective import Blocks, LossDenominators, LossOutput, LossTerms, build_blocks, dflash_loss, sample_anchors
 
 
 @dataclass
@@ -62,9 +62,10 @@ class DrafterStep:
         return self.forward(block_embeds, blocks.positions, features, context_positions, mask)
 
     def loss(self, blocks: Blocks, features: torch.Tensor, final_hidden: torch.Tensor | None = None,
-             noise_std: float = 0.0) -> LossOutput:
+             noise_std: float = 0.0, denominators: LossDenominators | None = None) -> LossOutput:
         """Weighted CE (+KL against the target's `final_hidden`) of the blocks; `noise_std` > 0 adds
-        Gaussian noise to the features (drawn from the global RNG, which checkpoints save and restore)."""
+        Gaussian noise to the features (drawn from the global RNG, which checkpoints save and restore).
+        `denominators`: the optimizer step's, for the loss backward sees (default: this micro-batch's)."""
         if self.settings.zero_features:
             features = torch.zeros_like(features)
         if noise_std > 0:
@@ -74,8 +75,11 @@ class DrafterStep:
         return dflash_loss(
             hidden, blocks, self.lm_head, self.settings.slot_weights,
             teacher_hidden=teacher, kl_weight=self.settings.kl_weight, chunk_size=self.settings.lm_head_chunk,
-            fused=self.settings.fused_loss, terms=self.settings.terms,
+            fused=self.settings.fused_loss, terms=self.settings.terms, denominators=denominators,
         )
+
+    def denominators(self, blocks: Blocks) -> LossDenominators:
+        return LossDenominators.of(blocks, self.settings.slot_weights)
 
     def empty_loss(self) -> LossOutput:
         """A zero loss wired to every parameter: a rank with no samples at a step still joins
@@ -84,6 +88,6 @@ class DrafterStep:
         zero = sum(p.sum() for p in params) * 0.0
         bs = self.drafter.block_size
         nothing = torch.zeros(bs, device=zero.device)
-        return LossOutput(loss=zero, ce=zero.detach(), kl=zero.detach(), slot_correct=nothing,
+        return LossOutput(loss=zero, mean_loss=zero.detach(), ce=zero.detach(), kl=zero.detach(), slot_correct=nothing,
                           slot_count=nothing.clone(), block_streaks=torch.zeros(0, device=zero.device),
                           weight_sum=zero.detach())

@@ -38,7 +38,7 @@ class WindowMetrics:
 
     def add(self, out: LossOutput, tokens: int, flops: float = 0.0) -> None:
         """One micro-batch: its loss outputs, sequence tokens and FLOPs (target + drafter)."""
-        scalars = torch.stack([out.loss.detach().float(), out.ce.float(), out.kl.float(),
+        scalars = torch.stack([out.mean_loss.float(), out.ce.float(), out.kl.float(),
                                out.block_streaks.sum().float()])
         sums = torch.cat([scalars, out.slot_correct.float(), out.slot_count.float()]).double()
         self.device_sums = sums if self.device_sums is None else self.device_sums + sums

@@ -99,7 +99,8 @@ def build_blocks(
 
 @dataclass
 class LossOutput:
-    loss: torch.Tensor  # scalar, what backward sees
+    loss: torch.Tensor  # scalar, what backward sees (over the step's global denominators)
+    mean_loss: torch.Tensor  # the same terms over this micro-batch's own denominators (detached)
     ce: torch.Tensor  # weighted cross-entropy part (detached)
     kl: torch.Tensor  # weighted KL part (detached; 0 when distillation is off)
     slot_correct: torch.Tensor  # [B] correct predictions per slot (detached)
@@ -123,6 +124,25 @@ def dpace_weights(ce: torch.Tensor, scored: torch.Tensor, block_size: int, alpha
 
 
 @dataclass
+class LossDenominators:
+    """What the loss terms are divided by: the slot weights and the number of scored slots.
+    Summed over every micro-batch of an optimizer step on every drafter rank, they make the
+    update independent of how samples fall on ranks and accumulation steps; `scale` (drafter
+    ranks x accumulation steps) undoes the engine's averaging over both."""
+
+    weight: torch.Tensor
+    positions: torch.Tensor
+    scale: float = 1.0
+
+    @staticmethod
+    def of(blocks: Blocks, weights: torch.Tensor) -> LossDenominators:
+        mask = blocks.label_mask
+        slots = mask.nonzero(as_tuple=True)[1] % blocks.layout.block_size
+        w = weights.to(mask.device)[slots]
+        return LossDenominators(w.sum().float(), mask.sum().float())
+
+
+@dataclass
 class LossTerms:
     """Which losses make up the objective, and their knobs."""
 
@@ -141,10 +161,12 @@ def dflash_loss(
     chunk_size: int = 4096,
     fused: bool = True,
     terms: LossTerms | None = None,
+    denominators: LossDenominators | None = None,
 ) -> LossOutput:
     """The objective over scored slots: slot-weighted CE sum(w * m * CE) / sum(w * m), or the
-    D-PACE-weighted CE, or both (`terms`), + kl_weight * the slot-weighted KL to the target's
-    distribution. Only scored positions go through the lm_head, in chunks, so [positions x vocab]
+    D-PACE-weighted CE sum(w_dpace * CE) / sum(m), or both (`terms`), + kl_weight * the
+    slot-weighted KL to the target's distribution. The sums in the denominators are this
+    micro-batch's, or the optimizer step's (`denominators`) for the loss backward sees. Only scored positions go through the lm_head, in chunks, so [positions x vocab]
     logits never exist all at once; `fused` (no KL) takes each chunk's gradient in the forward.
 
     hidden [b, Q, D] drafter output; teacher_hidden [b, S, D] the target's final normed hidden
@@ -159,22 +181,29 @@ def dflash_loss(
     distill = teacher_hidden is not None and kl_weight > 0
     teacher = (teacher_hidden, (blocks.positions - 1)[sel], sel[0]) if distill else None
     ce_rows, kl_rows, correct = row_losses(hidden[sel], lm_head, blocks.labels[sel], chunk_size, fused, teacher)
-    weight_sum = w.sum().clamp(min=1e-6)
-    ce = (ce_rows * w).sum() / weight_sum
-    kl = (kl_rows * w).sum() / weight_sum
-    loss = ce if terms.kind != "dpace" else ce.new_zeros(())
+    sums = {"ce": (ce_rows * w).sum(), "kl": (kl_rows * w).sum()}
     if terms.kind in ("dpace", "ce+dpace"):
         full = torch.zeros(mask.shape, device=hidden.device)
         full[sel] = ce_rows.detach()
-        dw = dpace_weights(full, mask, bs, terms.dpace_alpha)[sel]
-        dpace = (ce_rows * dw).sum() / dw.sum().clamp(min=1e-6)
-        loss = loss + (terms.dpace_weight if terms.kind == "ce+dpace" else 1.0) * dpace
-    if kl_weight > 0:
-        loss = loss + kl_weight * kl
+        sums["dpace"] = (ce_rows * dpace_weights(full, mask, bs, terms.dpace_alpha)[sel]).sum()
+    local = LossDenominators(w.sum(), mask.sum().float())
+
+    def combine(den: LossDenominators) -> torch.Tensor:
+        weight, positions = den.weight.clamp(min=1e-6), den.positions.clamp(min=1)
+        total = sums["ce"] / weight if terms.kind != "dpace" else sums["ce"].new_zeros(())
+        if "dpace" in sums:
+            total = total + (terms.dpace_weight if terms.kind == "ce+dpace" else 1.0) * sums["dpace"] / positions
+        if kl_weight > 0:
+            total = total + kl_weight * sums["kl"] / weight
+        return total * den.scale
+
     slot_correct = torch.zeros(bs, device=hidden.device).index_add_(0, slots, correct.float())
     slot_count = torch.zeros(bs, device=hidden.device).index_add_(0, slots, torch.ones_like(w))
-    return LossOutput(loss=loss, ce=ce.detach(), kl=kl.detach(), slot_correct=slot_correct, slot_count=slot_count,
-                      block_streaks=block_streaks(correct, mask, bs), weight_sum=weight_sum.detach())
+    weight_sum = local.weight.clamp(min=1e-6).detach()
+    return LossOutput(loss=combine(denominators or local), mean_loss=combine(local).detach(),
+                      ce=sums["ce"].detach() / weight_sum, kl=sums["kl"].detach() / weight_sum,
+                      slot_correct=slot_correct, slot_count=slot_count,
+                      block_streaks=block_streaks(correct, mask, bs), weight_sum=weight_sum)
 
 
 def row_losses(h: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor, chunk_size: int, fused: bool,

@@ -27,7 +27,7 @@ from dflash.export import export_drafter
 from dflash.feature_source import FeatureSource, LocalFeatures, RemoteFeatures, compute_features
 from dflash.flops import cost_shapes
 from dflash.model import drafter_config
-from dflash.objective import LossOutput
+from dflash.objective import Blocks, LossDenominators, LossOutput
 from dflash.phases import PhaseClock
 from dflash.run_report import RunReport
 from dflash.schedules import feature_noise_std
@@ -154,24 +154,27 @@ def train_drafter_rank(ctx: RankContext, source: FeatureSource) -> TrainResult:
     run = build_drafter_run(ctx)
     report = RunReport(ctx, run, source)
     clock = report.clock
-    for epoch, batch_step, indices, batch in epoch_batches(ctx, run, source, clock):
-        out = micro_batch_loss(ctx, run, epoch, batch_step, batch, clock)
-        clock.mark("drafter_forward")
-        skip = run.guard.should_skip(out.loss, track=batch is not None)
-        clock.mark("spike_check")
-        if skip:
-            logger.warning("skipped the micro-batch of step %d, epoch %d: loss %.4g vs recent median %s "
-                           "(%d skipped so far)", batch_step, epoch + 1, float(out.loss.detach()),
-                           f"{run.guard.reference:.4g}" if run.guard.reference is not None else "n/a",
-                           run.guard.skipped)
-            continue
-        stepped = backward_and_step(run, out.loss, clock)
-        if batch is not None:  # an empty micro-batch's zero loss is no sample of the loss
-            report.micro_batch(out, indices)
-        if stepped:
-            report.optimizer_step(epoch, batch_step)
-            run.checkpointer.maybe_save(run.engine.global_steps, {"sampler": run.sampler_state(epoch, batch_step)})
-        clock.mark("bookkeeping")
+    for window in accumulation_windows(epoch_batches(ctx, run, source, clock), ctx.config.train.grad_accum):
+        blocks, denominators = plan_window(ctx, run, window, clock)
+        for (epoch, batch_step, indices, batch), these in zip(window, blocks):
+            out = micro_batch_loss(ctx, run, batch, these, denominators)
+            clock.mark("drafter_forward")
+            skip = run.guard.should_skip(out.mean_loss, track=batch is not None)
+            clock.mark("spike_check")
+            if skip:
+                logger.warning("skipped the micro-batch of step %d, epoch %d: loss %.4g vs recent median %s "
+                               "(%d skipped so far)", batch_step, epoch + 1, float(out.mean_loss),
+                               f"{run.guard.reference:.4g}" if run.guard.reference is not None else "n/a",
+                               run.guard.skipped)
+                continue
+            stepped = backward_and_step(run, out.loss, clock)
+            if batch is not None:  # an empty micro-batch's zero loss is no sample of the loss
+                report.micro_batch(out, indices)
+            if stepped:
+                report.optimizer_step(epoch, batch_step)
+                run.checkpointer.maybe_save(run.engine.global_steps,
+                                            {"sampler": run.sampler_state(epoch, batch_step)})
+            clock.mark("bookkeeping")
     return finish(ctx, run, report, source)
 
 
@@ -186,16 +189,45 @@ def epoch_batches(ctx: RankContext, run: DrafterRun, source: FeatureSource, cloc
                 return
 
 
-def micro_batch_loss(ctx: RankContext, run: DrafterRun, epoch: int, batch_step: int,
-                     batch: FeatureBatch | None, clock: PhaseClock) -> LossOutput:
-    if batch is None:  # this rank got no samples at this step: a zero step keeps lockstep
-        return run.step.empty_loss()
-    seed = ctx.config.train.seed
-    blocks = run.step.sample_blocks(batch.input_ids, batch.loss_mask,
-                                    anchor_generator(seed, epoch, batch_step, run.drafter_rank))
+def accumulation_windows(items, size: int):
+    """The micro-batches of one optimizer step at a time (checkpoints sit on step boundaries,
+    so a resumed run starts on one)."""
+    window = []
+    for item in items:
+        window.append(item)
+        if len(window) == size:
+            yield window
+            window = []
+    if window:
+        yield window
+
+
+def plan_window(ctx: RankContext, run: DrafterRun, window: list, clock: PhaseClock):
+    """Each micro-batch's blocks, and the loss denominators of the whole optimizer step: summed
+    over its micro-batches on every drafter rank (one all-reduce), so that the update does not
+    depend on how the samples fell on ranks and accumulation steps."""
+    blocks, local = [], torch.zeros(2, dtype=torch.float64, device=ctx.ranks.device)
+    for epoch, batch_step, _, batch in window:
+        if batch is None:  # this rank got no samples at this step: a zero step keeps lockstep
+            blocks.append(None)
+            continue
+        these = run.step.sample_blocks(batch.input_ids, batch.loss_mask,
+                                       anchor_generator(ctx.config.train.seed, epoch, batch_step, run.drafter_rank))
+        counts = run.step.denominators(these)
+        local += torch.stack([counts.weight, counts.positions]).double()
+        blocks.append(these)
+    dist.all_reduce(local, group=ctx.data_group)
     clock.mark("anchors")
+    scale = len(ctx.topology.drafter_ranks) * ctx.config.train.grad_accum  # the engine averages over both
+    return blocks, LossDenominators(local[0].float(), local[1].float(), scale)
+
+
+def micro_batch_loss(ctx: RankContext, run: DrafterRun, batch: FeatureBatch | None, blocks: Blocks | None,
+                     denominators: LossDenominators) -> LossOutput:
+    if batch is None:
+        return run.step.empty_loss()
     noise = feature_noise_std(run.engine.global_steps, run.total_steps, ctx.config.train.feature_noise_std)
-    return run.step.loss(blocks, batch.features, batch.final_hidden, noise_std=noise)
+    return run.step.loss(blocks, batch.features, batch.final_hidden, noise_std=noise, denominators=denominators)
 
 
 def backward_and_step(run: DrafterRun, loss: torch.Tensor, clock: PhaseClock) -> bool:

@@ -10,7 +10,7 @@ from dflash.objective import LossOutput
 
 def loss_output(correct: list[float], count: list[float], streaks: list[int]) -> LossOutput:
     zero = torch.tensor(0.0)
-    return LossOutput(loss=torch.tensor(2.0), ce=torch.tensor(2.0), kl=zero, slot_correct=torch.tensor(correct),
+    return LossOutput(loss=torch.tensor(2.0), mean_loss=torch.tensor(2.0), ce=torch.tensor(2.0), kl=zero, slot_correct=torch.tensor(correct),
                       slot_count=torch.tensor(count), block_streaks=torch.tensor(streaks), weight_sum=zero)
 
 
