@@ -189,6 +189,20 @@ def check_eval_flags(prompts: str | None, num_prompts: int, max_new_tokens: int,
         load_chat_jsonl(prompts)
 
 
+def validate_recipe(t: TrainArgs) -> None:
+    """The objective, optimizer and schedule flags."""
+    _require(t.slot_weights in ("decay", "uniform"), f"--slot-weights {t.slot_weights}: use decay or uniform")
+    _require(t.loss in ("ce", "dpace", "ce+dpace"), f"--loss {t.loss}: use ce, dpace or ce+dpace")
+    _require(0 < t.dpace_alpha <= 1, f"--dpace-alpha {t.dpace_alpha}: use a smoothing in (0, 1] (0.5 in the paper)")
+    _require(math.isfinite(t.dpace_weight) and t.dpace_weight > 0, f"--dpace-weight {t.dpace_weight}: use > 0")
+    _require(t.anchors in ("random", "stride"), f"--anchors {t.anchors}: use random or stride")
+    _require(t.optimizer in ("adamw", "muon"), f"--optimizer {t.optimizer}: use adamw or muon")
+    _require(math.isfinite(t.muon_lr) and t.muon_lr > 0, f"--muon-lr {t.muon_lr}: use a positive learning rate")
+    _require(t.lr_schedule in ("cosine", "wsd"), f"--lr-schedule {t.lr_schedule}: use cosine or wsd")
+    _require(0 < t.decay_ratio <= 1 and t.warmup_ratio + t.decay_ratio <= 1,
+             f"--decay-ratio {t.decay_ratio}: use a fraction in (0, 1] that leaves room for --warmup-ratio {t.warmup_ratio}")
+
+
 def validate(config: RunConfig, for_training: bool = True) -> None:
     """Checks that need no model or data: they fail in a second, not after loading."""
     m, d, t = config.model, config.data, config.train
@@ -231,16 +245,7 @@ def validate(config: RunConfig, for_training: bool = True) -> None:
     _require(math.isfinite(t.grad_clip) and t.grad_clip > 0, f"--grad-clip {t.grad_clip}: use a positive norm")
     _require(t.gamma is None or (math.isfinite(t.gamma) and t.gamma > 0),
              f"--gamma {t.gamma}: use a positive decay, or leave it out for the block size's default")
-    _require(t.slot_weights in ("decay", "uniform"), f"--slot-weights {t.slot_weights}: use decay or uniform")
-    _require(t.loss in ("ce", "dpace", "ce+dpace"), f"--loss {t.loss}: use ce, dpace or ce+dpace")
-    _require(0 < t.dpace_alpha <= 1, f"--dpace-alpha {t.dpace_alpha}: use a smoothing in (0, 1] (0.5 in the paper)")
-    _require(math.isfinite(t.dpace_weight) and t.dpace_weight > 0, f"--dpace-weight {t.dpace_weight}: use > 0")
-    _require(t.anchors in ("random", "stride"), f"--anchors {t.anchors}: use random or stride")
-    _require(t.optimizer in ("adamw", "muon"), f"--optimizer {t.optimizer}: use adamw or muon")
-    _require(math.isfinite(t.muon_lr) and t.muon_lr > 0, f"--muon-lr {t.muon_lr}: use a positive learning rate")
-    _require(t.lr_schedule in ("cosine", "wsd"), f"--lr-schedule {t.lr_schedule}: use cosine or wsd")
-    _require(0 < t.decay_ratio <= 1 and t.warmup_ratio + t.decay_ratio <= 1,
-             f"--decay-ratio {t.decay_ratio}: use a fraction in (0, 1] that leaves room for --warmup-ratio {t.warmup_ratio}")
+    validate_recipe(t)
     _require(t.epochs >= 1, f"--epochs {t.epochs}: need at least 1 (a run of 0 epochs would export an untrained drafter)")
     _require(t.max_steps == -1 or t.max_steps >= 1, f"--max-steps {t.max_steps}: use -1 (all epochs) or >= 1")
     _require(t.log_every >= 1, f"--log-every {t.log_every}: need at least 1")
