@@ -224,6 +224,8 @@ def validate(config: RunConfig, for_training: bool = True) -> None:
              or d.max_draft_positions >= t.max_anchors * m.block_size,
              f"--max-draft-positions {d.max_draft_positions}: a micro-batch must hold one sequence's "
              f"--max-anchors x --block-size = {t.max_anchors * m.block_size} (or 0: no limit)")
+    _require(m.attention_backend in ("auto", "sdpa", "flex"),
+             f"--attention-backend {m.attention_backend}: use auto, sdpa or flex")
     _require(m.draft_window >= 0, f"--draft-window {m.draft_window}: use 0 (full attention) or a window in tokens")
     _require(m.kernels in ("fast", "naive"), f"--kernels {m.kernels}: use fast or naive")
     _require(d.bucket_boundaries == sorted(d.bucket_boundaries) and len(d.bucket_boundaries) >= 1,

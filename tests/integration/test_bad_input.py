@@ -60,6 +60,7 @@ def test_missing_data_file(capsys, paths):
     (["--anchors", "every"], "--anchors every"),
     (["--draft-window=-1"], "--draft-window -1"),
     (["--optimizer", "sgd"], "--optimizer sgd: use adamw or muon"),
+    (["--attention-backend", "xformers"], "--attention-backend xformers: use auto, sdpa or flex"),
     (["--lr-schedule", "linear"], "--lr-schedule linear"),
     (["--lr-schedule", "wsd", "--warmup-ratio", "0.5", "--decay-ratio", "0.6"], "--decay-ratio 0.6"),
 ])
