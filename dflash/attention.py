@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 
 
-
 def resolve_backend(name: str, device: torch.device) -> str:
     """`auto` picks flex attention on CUDA (it has no backward on CPU) and SDPA elsewhere. The
     name itself is checked with the other flags (dflash.config.validate)."""
