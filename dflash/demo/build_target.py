@@ -8,7 +8,7 @@ steps from the measured speed of the first steps, and logs it so that the run ca
 repeated exactly with ``--steps``.
 
     python -m dflash.demo.build_target --minutes 12
-    python -m dflash.demo.build_target --device cuda --batch-size 64 --steps 20000
+    python -m dflash.demo.build_target --device cuda --batch-size 64 --workers 12 --steps 20000
 """
 
 import argparse
@@ -64,6 +64,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup-steps", type=int, default=40)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="auto", help="auto (cuda when there is one) | cpu | cuda")
+    parser.add_argument("--workers", type=int, default=0,
+                        help="processes making batches (0: in the training process; a GPU outruns one)")
     return parser.parse_args()
 
 
@@ -151,6 +153,22 @@ def batches(
         rng.shuffle(groups)
         for group in groups:
             yield collate(group, tokenizer.pad_token_id)
+
+
+class BatchStream(torch.utils.data.IterableDataset):
+    """`batches` in worker processes: worker w draws with seed + 1000 w, and the loader takes
+    one batch from each worker in turn, so a run is reproducible for a given --workers (0: the
+    training process itself, with the seed as given)."""
+
+    def __init__(self, sources: list[SourceFile], tokenizer, batch_size: int, max_length: int, seed: int):
+        super().__init__()
+        self.sources, self.tokenizer = sources, tokenizer
+        self.batch_size, self.max_length, self.seed = batch_size, max_length, seed
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        seed = self.seed + 1000 * (info.id if info is not None else 0)
+        yield from batches(SnippetSampler(self.sources, seed), self.tokenizer, self.batch_size, self.max_length, seed)
 
 
 def collate(group: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -242,8 +260,10 @@ def main() -> None:
     logger.info("tokenizer has %d tokens; model vocab_size %d", len(tokenizer), config.vocab_size)
     model = Qwen3ForCausalLM(config).to(pick_device(args.device, 0))
     logger.info("model has %.2fM parameters", sum(p.numel() for p in model.parameters()) / 1e6)
-    sampler = SnippetSampler(sources, args.seed)
-    stats = train(model, batches(sampler, tokenizer, args.batch_size, args.max_length, args.seed), args)
+    stream = BatchStream(sources, tokenizer, args.batch_size, args.max_length, args.seed)
+    loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=args.workers,
+                                         prefetch_factor=8 if args.workers else None)
+    stats = train(model, iter(loader), args)
     save(model, tokenizer, args.output_dir)
     summary = {"seed": args.seed, "len_tokenizer": len(tokenizer), "vocab_size": config.vocab_size, **stats}
     print(json.dumps(summary, indent=2))
