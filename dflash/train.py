@@ -166,9 +166,12 @@ def train_drafter_rank(ctx: RankContext, source: FeatureSource) -> TrainResult:
                                "(%d skipped so far)", batch_step, epoch + 1, float(out.mean_loss),
                                f"{run.guard.reference:.4g}" if run.guard.reference is not None else "n/a",
                                run.guard.skipped)
-                continue
+                if ctx.config.train.grad_accum == 1:
+                    continue  # the whole optimizer step is skipped
+                # a zero in its place keeps the engine's accumulation count on the window's boundary
+                out, batch = run.step.empty_loss(), None
             stepped = backward_and_step(run, out.loss, clock)
-            if batch is not None:  # an empty micro-batch's zero loss is no sample of the loss
+            if batch is not None:  # an empty or skipped micro-batch's zero loss is no sample of the loss
                 report.micro_batch(out, indices)
             if stepped:
                 report.optimizer_step(epoch, batch_step)
