@@ -1,0 +1,98 @@
+"""The ablations behind the recipe's defaults: each group trains the demo drafter with one flag
+changed, on the same data and steps, over several seeds, and reports the real tau (speculative
+decoding on the held-out prompts, eval.json's `trained.tau`) as mean and spread.
+
+    python -m dflash.ablations --out runs/ablations --seeds 0,1,2 --parallel 8
+    python -m dflash.ablations --out /tmp/abl --groups loss --seeds 0 --extra "--max-steps 20"
+
+Runs that already wrote eval.json are reused, so an interrupted sweep continues where it
+stopped. The table goes to <out>/ablations.md and the numbers to <out>/ablations.json.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import HfArgumentParser
+
+from dflash.config import REPO_ROOT
+
+# group -> [(variant name, train_drafter.py flags)]; the first variant of each group is the default.
+GROUPS: dict[str, list[tuple[str, list[str]]]] = {
+    "loss": [("ce", []), ("dpace", ["--loss", "dpace"]), ("ce+dpace", ["--loss", "ce+dpace"])],
+    "slot weights": [("decay", []), ("uniform", ["--slot-weights", "uniform"])],
+    "anchors": [("random", []), ("stride", ["--anchors", "stride"])],
+    "feature layers": [("5", []), ("3", ["--num-target-features", "3"]), ("1", ["--num-target-features", "1"])],
+    "draft layers": [("2", []), ("1", ["--num-draft-layers", "1"]), ("3", ["--num-draft-layers", "3"])],
+    "attention": [("full", []), ("window 64", ["--draft-window", "64"])],
+    "optimizer": [("adamw", []), ("muon", ["--optimizer", "muon"])],
+    "lr schedule": [("cosine", []), ("wsd", ["--lr-schedule", "wsd"])],
+    "features": [("target's", []), ("zeroed (control)", ["--zero-features"])],
+}
+
+
+@dataclass
+class AblationArgs:
+    out: str = "runs/ablations"
+    seeds: str = "0,1,2"
+    groups: str = ""  # comma-separated group names (default: all)
+    parallel: int = 1  # runs at once (on a GPU host, several tiny demo runs share a GPU)
+    extra: str = ""  # more train_drafter.py flags for every run
+
+
+def run_dir(out: Path, flags: list[str], seed: int) -> Path:
+    """One folder per distinct flag set and seed: the default variant is trained once for all groups."""
+    name = "-".join(f.lstrip("-").replace("/", "_") for f in flags) or "default"
+    return out / f"{name}-seed{seed}"
+
+
+def train_once(folder: Path, flags: list[str], seed: int, extra: str) -> float:
+    """The real tau of one run, training it unless its eval.json exists."""
+    report = folder / "eval.json"
+    if not report.is_file():
+        cmd = [sys.executable, str(REPO_ROOT / "train_drafter.py"), "--output-dir", str(folder), "--overwrite",
+               "--report-to", "none", "--seed", str(seed), *flags, *shlex.split(extra)]
+        folder.mkdir(parents=True, exist_ok=True)
+        with (folder.parent / f"{folder.name}.log").open("w") as log:
+            proc = subprocess.run(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}); see {folder.parent / folder.name}.log")
+    return float(json.loads(report.read_text())["trained"]["tau"])
+
+
+def table(results: dict[str, list[tuple[str, list[float]]]]) -> str:
+    lines = ["| group | variant | tau (mean) | spread (min-max) | seeds |", "|---|---|---|---|---|"]
+    for group, variants in results.items():
+        for variant, taus in variants:
+            lines.append(f"| {group} | {variant} | {statistics.mean(taus):.2f} | {min(taus):.2f}-{max(taus):.2f} "
+                         f"| {len(taus)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    (args,) = HfArgumentParser(AblationArgs).parse_args_into_dataclasses(argv)
+    out, seeds = Path(args.out), [int(s) for s in args.seeds.split(",")]
+    names = [g.strip() for g in args.groups.split(",") if g.strip()] or list(GROUPS)
+    unknown = [n for n in names if n not in GROUPS]
+    if unknown:
+        raise SystemExit(f"--groups: unknown {unknown}; known: {', '.join(GROUPS)}")
+    jobs = {run_dir(out, flags, seed): (flags, seed) for n in names for _, flags in GROUPS[n] for seed in seeds}
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        taus = dict(zip(jobs, pool.map(lambda d: train_once(d, *jobs[d], args.extra), jobs)))
+    results = {n: [(variant, [taus[run_dir(out, flags, s)] for s in seeds]) for variant, flags in GROUPS[n]]
+               for n in names}
+    (out / "ablations.json").write_text(json.dumps(results, indent=1))
+    (out / "ablations.md").write_text(table(results))
+    print(table(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()
