@@ -50,3 +50,36 @@ def test_bf16_training_keeps_fp32_master_weights_and_moments():
     assert proc.returncode == 0, proc.stderr[-3000:]
     dtypes = json.loads(proc.stdout.strip().splitlines()[-1])
     assert dtypes == {"weights": ["torch.bfloat16"], "master": ["torch.float32"], "moments": ["torch.float32"]}
+
+
+MUON_ENGINE = """
+import json, sys, torch, deepspeed
+from types import SimpleNamespace
+from dflash.drafter_setup import deepspeed_config, make_optimizer
+torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", rank=0, world_size=1)
+train = SimpleNamespace(deepspeed_config="ds_configs/cpu.json", grad_accum=1, grad_clip=1.0, precision="fp32",
+                        optimizer="muon", lr=1e-3, muon_lr=0.02, weight_decay=0.0)
+config = SimpleNamespace(train=train)
+ds = deepspeed_config(config, torch.device("cpu"))
+model = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False), torch.nn.LayerNorm(8))
+before = [p.detach().clone() for p in model.parameters()]
+optimizer = make_optimizer(config, model, ds, torch.device("cpu"))
+engine, optimizer, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds)
+engine.backward(engine(torch.randn(4, 8)).pow(2).mean())
+engine.step()
+groups = [(g.get("use_muon"), g["lr"], sum(p.numel() for p in g["params"])) for g in optimizer.optimizer.param_groups]
+print(json.dumps({"passed_none": optimizer is not None, "groups": groups,
+                  "moved": [bool((p.detach() != b).any()) for p, b in zip(engine.module.parameters(), before)]}))
+"""
+
+
+def test_muon_takes_the_matrices_and_adamw_the_rest():
+    proc = subprocess.run([sys.executable, "-c", MUON_ENGINE, str(free_port())], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu", "LOCAL_RANK": "0",
+                               "TORCH_COMPILE_DISABLE": "1"})  # Muon's compiled kernel: a minute to build on CPU
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    by_kind = {use_muon: (lr, numel) for use_muon, lr, numel in report["groups"]}  # ZeRO holds flat partitions
+    assert by_kind[True] == (0.02, 64)  # the 8 x 8 weight matrix, at --muon-lr
+    assert by_kind[False] == (1e-3, 16)  # the norm's weight and bias, at --lr
+    assert report["moved"] == [True, True, True]
