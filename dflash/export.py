@@ -34,8 +34,6 @@ def exported_config(drafter: DFlashDrafter) -> dict:
     # Loaders built on older transformers read rope_theta / rope_scaling directly.
     config["rope_theta"] = rope.get("rope_theta", 10000.0)
     config["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else rope
-    kind = "sliding_attention" if drafter.window > 0 else "full_attention"
-    config["layer_types"] = [kind] * drafter.config.num_hidden_layers
     # vLLM reads this key as is (older builds read only it) and otherwise adds 1 to
     # dflash_config.target_layer_ids: both say "the output of target layer i" = hidden_states[i + 1]
     config["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in drafter.config.dflash_config["target_layer_ids"]]

@@ -185,7 +185,8 @@ class DFlashDrafter(nn.Module):
     @property
     def window(self) -> int:
         """Context positions a block sees before its anchor (0: all of them)."""
-        return int(self.config.dflash_config.get("swa_window_size", 0)) if self.config.dflash_config.get("use_swa") else 0
+        dflash = self.config.dflash_config
+        return int(dflash.get("swa_window_size", 0)) if dflash.get("use_swa") else 0
 
     def reset_parameters(self) -> None:
         std = getattr(self.config, "initializer_range", 0.02)

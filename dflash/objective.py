@@ -136,10 +136,10 @@ class LossDenominators:
 
     @staticmethod
     def of(blocks: Blocks, weights: torch.Tensor) -> LossDenominators:
+        """One micro-batch's sums (no host sync: no nonzero, no item)."""
         mask = blocks.label_mask
-        slots = mask.nonzero(as_tuple=True)[1] % blocks.layout.block_size
-        w = weights.to(mask.device)[slots]
-        return LossDenominators(w.sum().float(), mask.sum().float())
+        per_slot = mask.view(mask.shape[0], -1, blocks.layout.block_size).float() * weights.to(mask.device)
+        return LossDenominators(per_slot.sum(), mask.sum().float())
 
 
 @dataclass
@@ -165,9 +165,10 @@ def dflash_loss(
 ) -> LossOutput:
     """The objective over scored slots: slot-weighted CE sum(w * m * CE) / sum(w * m), or the
     D-PACE-weighted CE sum(w_dpace * CE) / sum(m), or both (`terms`), + kl_weight * the
-    slot-weighted KL to the target's distribution. The sums in the denominators are this
-    micro-batch's, or the optimizer step's (`denominators`) for the loss backward sees. Only scored positions go through the lm_head, in chunks, so [positions x vocab]
-    logits never exist all at once; `fused` (no KL) takes each chunk's gradient in the forward.
+    slot-weighted KL to the target's distribution. The denominators are this micro-batch's, or
+    the optimizer step's (`denominators`) for the loss backward sees. Only scored positions go
+    through the lm_head, in chunks, so [positions x vocab] logits never exist all at once;
+    `fused` (no KL) takes each chunk's gradient in the forward.
 
     hidden [b, Q, D] drafter output; teacher_hidden [b, S, D] the target's final normed hidden
     state: its row a+j-1 gives the target's distribution for x[a+j].
@@ -186,7 +187,7 @@ def dflash_loss(
         full = torch.zeros(mask.shape, device=hidden.device)
         full[sel] = ce_rows.detach()
         sums["dpace"] = (ce_rows * dpace_weights(full, mask, bs, terms.dpace_alpha)[sel]).sum()
-    local = LossDenominators(w.sum(), mask.sum().float())
+    local = LossDenominators.of(blocks, weights)
 
     def combine(den: LossDenominators) -> torch.Tensor:
         weight, positions = den.weight.clamp(min=1e-6), den.positions.clamp(min=1)
@@ -226,8 +227,8 @@ def row_losses(h: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor, 
         with torch.no_grad():
             teacher_logp = F.log_softmax(lm_head(teacher_hidden[batch[part], rows[part]]).float(), dim=-1)
         kl_parts.append(F.kl_div(F.log_softmax(logits, -1), teacher_logp, log_target=True, reduction="none").sum(-1))
-    if not ce_parts:
-        empty = h.new_zeros(0, dtype=torch.float32) + h.sum() * 0  # keeps the graph for an empty selection
+    if not ce_parts:  # no scored slot: an empty CE that still belongs to the graph
+        empty = h.float().sum(-1)
         return empty, empty.detach(), torch.zeros(0, dtype=torch.bool, device=h.device)
     return torch.cat(ce_parts), torch.cat(kl_parts), torch.cat(correct_parts)
 

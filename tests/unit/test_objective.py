@@ -257,3 +257,19 @@ def test_zeroed_features_control_ignores_the_features():
     assert torch.equal(one, step.loss(blocks, torch.randn_like(features)).loss)
     settings.zero_features = False
     assert not torch.equal(one, step.loss(blocks, features).loss)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_micro_batch_with_no_scored_slot_still_backpropagates(fused):
+    """Rows whose responses are too short for any anchor: the loss is 0, and backward still
+    reaches the drafter (the engine needs a gradient on every rank)."""
+    b, s, bs, d, v = 2, 12, 4, 8, 11
+    loss_mask = torch.zeros(b, s, dtype=torch.bool)
+    loss_mask[:, -1] = True  # one response token: no position a with a + 1 in the response
+    blocks = build_blocks(torch.randint(0, v, (b, s)), loss_mask,
+                          sample_anchors(loss_mask, 4, bs, torch.Generator().manual_seed(0)), v - 1)
+    assert not blocks.label_mask.any()
+    hidden = torch.randn(b, blocks.input_ids.shape[1], d, requires_grad=True)
+    out = dflash_loss(hidden, blocks, torch.nn.Linear(d, v, bias=False), slot_weights(bs, 2.0), fused=fused)
+    out.loss.backward()
+    assert float(out.loss) == 0.0 and torch.equal(hidden.grad, torch.zeros_like(hidden))
