@@ -42,9 +42,10 @@ PRETOKENIZE_PATTERN = (
 )
 PROMPT_LINES = (8, 20)
 RESPONSE_LINES = (10, 30)
-# Steps timed before the step budget is fixed; they lie inside the warmup, whose
-# schedule does not depend on the total, so a --minutes run equals a --steps run.
-CALIBRATION_STEPS = 10
+# --minutes times the second half of the warmup (the first half holds start-up: worker
+# processes filling their first pools, kernel warm-up) and fixes the step budget when the
+# warmup ends; the warmup's schedule does not depend on the total, so a --minutes run
+# equals a --steps run.
 # Samples drawn at once and sorted by length so that batches need little padding.
 BUCKET_BATCHES = 8
 # Loss is reported as the mean over this many steps (also the start/end loss).
@@ -58,6 +59,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--minutes", type=float, default=12.0, help="wall-clock training budget")
     parser.add_argument("--steps", type=int, default=None, help="exact step count; overrides --minutes")
     parser.add_argument("--vocab-size", type=int, default=2048, help="tokenizer size incl. special tokens")
+    parser.add_argument("--intermediate-size", type=int, default=256, help="MLP width (checkpoint size grows with it)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-length", type=int, default=512)
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -96,7 +98,7 @@ def train_tokenizer(sources: list[SourceFile], vocab_size: int) -> PreTrainedTok
     )
 
 
-def build_config(tokenizer: PreTrainedTokenizerFast) -> Qwen3Config:
+def build_config(tokenizer: PreTrainedTokenizerFast, intermediate_size: int) -> Qwen3Config:
     """Tiny Qwen3 sized to keep the bf16 checkpoint around 7 MB.
 
     The vocab is padded to a multiple of 64 and always past len(tokenizer), leaving
@@ -106,7 +108,7 @@ def build_config(tokenizer: PreTrainedTokenizerFast) -> Qwen3Config:
     return Qwen3Config(
         vocab_size=vocab_size,
         hidden_size=256,
-        intermediate_size=256,
+        intermediate_size=intermediate_size,
         num_hidden_layers=8,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -208,8 +210,10 @@ def train(
     for step in itertools.count():
         if step == total_steps:
             break
-        if args.steps is None and step == CALIBRATION_STEPS:
-            per_step = (time.monotonic() - start) / CALIBRATION_STEPS
+        if step == args.warmup_steps // 2:
+            timed_from = time.monotonic()
+        if args.steps is None and step == args.warmup_steps:
+            per_step = (time.monotonic() - timed_from) / (args.warmup_steps - args.warmup_steps // 2)
             total_steps = max(args.warmup_steps + 1, int(args.minutes * 60 / per_step))
             logger.info(
                 "%.2fs per step: training for %d steps (repeat with --steps %d)",
@@ -218,7 +222,9 @@ def train(
         lr = args.lr * lr_factor(step, args.warmup_steps, total_steps)
         set_lr(optimizer, lr)
         input_ids, attention_mask, labels = (t.to(device) for t in next(data))
-        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        # bf16 autocast on a GPU (fp32 master weights); the CPU path stays in fp32.
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -251,12 +257,14 @@ def save(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, output_dir
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     args = parse_args()
+    if args.warmup_steps < 2:
+        raise SystemExit(f"--warmup-steps {args.warmup_steps}: at least 2 (--minutes times the warmup's second half)")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     sources = load_sources(heldout=False)
     logger.info("training on %d stdlib files (%d lines)", len(sources), sum(len(s.lines) for s in sources))
     tokenizer = train_tokenizer(sources, args.vocab_size)
-    config = build_config(tokenizer)
+    config = build_config(tokenizer, args.intermediate_size)
     logger.info("tokenizer has %d tokens; model vocab_size %d", len(tokenizer), config.vocab_size)
     model = Qwen3ForCausalLM(config).to(pick_device(args.device, 0))
     logger.info("model has %.2fM parameters", sum(p.numel() for p in model.parameters()) / 1e6)
