@@ -4,6 +4,7 @@ decoding on the held-out prompts, eval.json's `trained.tau`) as mean and spread.
 
     python -m dflash.ablations --out runs/ablations --seeds 0,1,2 --parallel 8
     python -m dflash.ablations --out /tmp/abl --groups loss --seeds 0 --extra "--max-steps 20"
+    python -m dflash.ablations --out runs/ablations --table-only   # what has finished so far
 
 Runs that already wrote eval.json are reused, so an interrupted sweep continues where it
 stopped. The table goes to <out>/ablations.md and the numbers to <out>/ablations.json.
@@ -12,6 +13,7 @@ stopped. The table goes to <out>/ablations.md and the numbers to <out>/ablations
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import statistics
 import subprocess
@@ -20,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from transformers import HfArgumentParser
 
 from dflash.config import REPO_ROOT
@@ -45,6 +48,7 @@ class AblationArgs:
     groups: str = ""  # comma-separated group names (default: all)
     parallel: int = 1  # runs at once (on a GPU host, several tiny demo runs share a GPU)
     extra: str = ""  # more train_drafter.py flags for every run
+    table_only: bool = False  # tabulate the finished runs, train nothing (the seeds column says how many)
 
 
 def run_dir(out: Path, flags: list[str], seed: int) -> Path:
@@ -53,24 +57,33 @@ def run_dir(out: Path, flags: list[str], seed: int) -> Path:
     return out / f"{name}-seed{seed}"
 
 
-def train_once(folder: Path, flags: list[str], seed: int, extra: str) -> float:
-    """The real tau of one run, training it unless its eval.json exists."""
+def train_once(folder: Path, flags: list[str], seed: int, extra: str, gpu: int | None = None) -> None:
+    """Train one run (on the given GPU, if any) unless its eval.json exists."""
+    if (folder / "eval.json").is_file():
+        return
+    cmd = [sys.executable, str(REPO_ROOT / "train_drafter.py"), "--output-dir", str(folder), "--overwrite",
+           "--report-to", "none", "--seed", str(seed), *flags, *shlex.split(extra)]
+    env = dict(os.environ) if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
+    folder.mkdir(parents=True, exist_ok=True)
+    with (folder.parent / f"{folder.name}.log").open("w") as log:
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}); see {folder.parent / folder.name}.log")
+
+
+def finished_tau(folder: Path) -> float | None:
+    """The real tau of a finished run (eval.json's `trained.tau`), None while it has not finished."""
     report = folder / "eval.json"
-    if not report.is_file():
-        cmd = [sys.executable, str(REPO_ROOT / "train_drafter.py"), "--output-dir", str(folder), "--overwrite",
-               "--report-to", "none", "--seed", str(seed), *flags, *shlex.split(extra)]
-        folder.mkdir(parents=True, exist_ok=True)
-        with (folder.parent / f"{folder.name}.log").open("w") as log:
-            proc = subprocess.run(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}); see {folder.parent / folder.name}.log")
-    return float(json.loads(report.read_text())["trained"]["tau"])
+    return float(json.loads(report.read_text())["trained"]["tau"]) if report.is_file() else None
 
 
 def table(results: dict[str, list[tuple[str, list[float]]]]) -> str:
     lines = ["| group | variant | tau (mean) | spread (min-max) | seeds |", "|---|---|---|---|---|"]
     for group, variants in results.items():
         for variant, taus in variants:
+            if not taus:
+                lines.append(f"| {group} | {variant} | not run | | 0 |")
+                continue
             lines.append(f"| {group} | {variant} | {statistics.mean(taus):.2f} | {min(taus):.2f}-{max(taus):.2f} "
                          f"| {len(taus)} |")
     return "\n".join(lines) + "\n"
@@ -84,10 +97,16 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown:
         raise SystemExit(f"--groups: unknown {unknown}; known: {', '.join(GROUPS)}")
     jobs = {run_dir(out, flags, seed): (flags, seed) for n in names for _, flags in GROUPS[n] for seed in seeds}
-    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
-        taus = dict(zip(jobs, pool.map(lambda d: train_once(d, *jobs[d], args.extra), jobs)))
-    results = {n: [(variant, [taus[run_dir(out, flags, s)] for s in seeds]) for variant, flags in GROUPS[n]]
-               for n in names}
+    if not args.table_only:
+        gpus = torch.cuda.device_count()
+
+        def run(index: int, folder: Path) -> None:  # runs take the visible GPUs in turn
+            train_once(folder, *jobs[folder], args.extra, index % gpus if gpus else None)
+
+        with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+            list(pool.map(run, range(len(jobs)), jobs))
+    results = {n: [(variant, [tau for s in seeds if (tau := finished_tau(run_dir(out, flags, s))) is not None])
+                   for variant, flags in GROUPS[n]] for n in names}
     (out / "ablations.json").write_text(json.dumps(results, indent=1))
     (out / "ablations.md").write_text(table(results))
     print(table(results))

@@ -1,6 +1,6 @@
 """The ablation sweep end to end on a tiny setup: a variant trains through train_drafter.py, a run
-that already has its eval.json is reused (the default, shared by every group), and the table
-holds each variant's real tau."""
+that already has its eval.json is reused (the default, shared by every group), the table
+holds each variant's real tau, and --table-only tabulates what has finished without training."""
 
 from __future__ import annotations
 
@@ -32,3 +32,9 @@ def test_a_small_sweep_trains_what_is_missing_and_tabulates_tau(tiny_setup, tmp_
     assert 1.0 <= results["anchors"][1][1][0] < 9.5  # trained for real: a 1-step drafter accepts little
     table = (tmp_path / "sweep" / "ablations.md").read_text()
     assert "| anchors | stride |" in table and "| slot weights | decay | 9.50 |" in table
+    partial = ablations.main(["--out", str(tmp_path / "sweep"), "--seeds", "0,1", "--table-only"])
+    assert partial == results, "seed 1 has not run: left out, not trained"
+    assert not any(p.name.endswith("seed1") for p in (tmp_path / "sweep").iterdir())
+    (tmp_path / "sweep" / "anchors-stride-seed0" / "eval.json").unlink()
+    assert "| anchors | stride | not run | | 0 |" in ablations.table(
+        ablations.main(["--out", str(tmp_path / "sweep"), "--seeds", "0", "--table-only"]))
