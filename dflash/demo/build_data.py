@@ -116,10 +116,13 @@ def build_split(
     path: Path,
     args: argparse.Namespace,
 ) -> None:
-    """Sample one split's prompts, answer them with the target and write the JSONL."""
+    """Sample one split's prompts, answer them with the target and write the JSONL. Empty answers
+    are left out: training would skip them as bad samples, with a warning on every run."""
     codes = sample_prompts(tokenizer, heldout, count, args.seed, args.max_prompt_tokens)
     logger.info("%s: generating %d responses", path.name, len(codes))
-    write_jsonl(path, codes, generate(model, tokenizer, codes, args))
+    answered = [(code, answer) for code, answer in zip(codes, generate(model, tokenizer, codes, args)) if answer.strip()]
+    write_jsonl(path, [code for code, _ in answered], [answer for _, answer in answered])
+    print(f"wrote {len(answered)} samples to {path} ({len(codes) - len(answered)} empty answers left out)")
 
 
 def main() -> None:
@@ -131,8 +134,6 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(args.target_dir, dtype=torch.float32).eval().to(pick_device(args.device, 0))
     build_split(model, tokenizer, True, args.num_heldout, args.heldout_out, args)
     build_split(model, tokenizer, False, args.num_train, args.train_out, args)
-    print(f"wrote {args.num_train} train samples to {args.train_out}")
-    print(f"wrote {args.num_heldout} held-out samples to {args.heldout_out}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python -m dflash.demo.quality                       # the shipped demo data
     python -m dflash.demo.quality runs/x/train.jsonl --json
+    python -m dflash.demo.quality --reference heldout   # real code, for comparison
 
 For each assistant answer: the distinct-bigram ratio over the target tokenizer's tokens
 (distinct adjacent pairs / all pairs; a loop that repeats itself scores low) and whether one
@@ -20,10 +21,13 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from dflash.demo import DEMO_TARGET_DIR, DEMO_TRAIN_DATA
+from dflash.demo.build_target import PROMPT_LINES, RESPONSE_LINES
+from dflash.demo.corpus import SnippetSampler, load_sources
 
 MIN_DISTINCT_BIGRAMS = 0.6
 MAX_REPEATING_SHARE = 0.10
 REPEATS = 3  # occurrences of one line that count as a loop
+REFERENCE_SAMPLES = 500
 
 
 def distinct_bigram_ratio(ids: list[int]) -> float:
@@ -52,8 +56,14 @@ def main() -> None:
     parser.add_argument("data", nargs="?", type=Path, default=DEMO_TRAIN_DATA, help="chat JSONL answered by the target")
     parser.add_argument("--tokenizer", default=str(DEMO_TARGET_DIR))
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument("--reference", choices=["train", "heldout"],
+                        help="measure real stdlib continuations of that split (what the target trains on) instead")
     args = parser.parse_args()
-    answers = [json.loads(line)["messages"][-1]["content"] for line in args.data.read_text().splitlines()]
+    if args.reference:
+        sampler = SnippetSampler(load_sources(heldout=args.reference == "heldout"), seed=0)
+        answers = [sampler.sample(PROMPT_LINES, RESPONSE_LINES)[1] for _ in range(REFERENCE_SAMPLES)]
+    else:
+        answers = [json.loads(line)["messages"][-1]["content"] for line in args.data.read_text().splitlines()]
     quality = answer_quality(answers, AutoTokenizer.from_pretrained(args.tokenizer))
     if args.json:
         print(json.dumps(quality))
