@@ -5,7 +5,9 @@
 # picked, then a run killed (SIGKILL) after its first checkpoint and resumed, whose losses are
 # compared with the uninterrupted auto run's. Ends with one table of draft positions/s per GPU.
 #   PYTHON=python3 NUM_GPUS=8 STEPS=60 bash launch/bench_node.sh
-# TARGET and DATA replace the 8B-shaped assets (a CPU dry run: the demo's, with DS_ACCELERATOR=cpu).
+# TARGET and DATA replace the 8B-shaped assets; LAUNCHER=torchrun replaces the DeepSpeed launcher.
+# A CPU dry run:  LAUNCHER=torchrun NUM_GPUS=2 STEPS=8 TARGET=dflash/demo/target \
+#   DATA=dflash/demo/data/train.jsonl bash launch/bench_node.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -18,7 +20,12 @@ if [ -z "${TARGET:-}" ]; then
 fi
 common=(--target "${TARGET:-$OUT/assets/target}" --train-data "${DATA:-$OUT/assets/train.jsonl}" --max-steps "$STEPS" --log-every 5
         --eval-prompts 0 --report-to none --max-length 3072 --transport-timeout-s 600 --overwrite "$@")
-launch() { "$PY" -m deepspeed.launcher.runner --num_gpus "$N" --master_port "${MASTER_PORT:-29521}" train_drafter.py "$@"; }
+if [ "${LAUNCHER:-deepspeed}" = torchrun ]; then
+  launcher=(-m torch.distributed.run --nproc_per_node "$N")
+else
+  launcher=(-m deepspeed.launcher.runner --num_gpus "$N")
+fi
+launch() { "$PY" "${launcher[@]}" --master_port "${MASTER_PORT:-29521}" train_drafter.py "$@"; }
 targets_of() {  # T of a finished run: its GPUs minus its drafter ranks
   "$PY" -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])][-1]; print(r['world_size'] - r['drafter_ranks'])" \
     "$1/metrics.jsonl"
@@ -38,8 +45,7 @@ done
 
 # Kill after the first checkpoint, resume, compare the resumed steps with the auto run's.
 killed=(--target-ranks "$([ "$T" = 0 ] && echo colocated || echo "$T")" --save-every "$SAVE" --output-dir "$OUT/killed")
-setsid "$PY" -m deepspeed.launcher.runner --num_gpus "$N" --master_port 29531 train_drafter.py "${killed[@]}" \
-  "${common[@]}" > "$OUT/killed.log" 2>&1 &
+setsid "$PY" "${launcher[@]}" --master_port 29531 train_drafter.py "${killed[@]}" "${common[@]}" > "$OUT/killed.log" 2>&1 &
 leader=$!
 until compgen -G "$OUT/killed/checkpoints/step_*/trainer_state.json" > /dev/null; do
   kill -0 "$leader" 2> /dev/null || { echo "the run to kill ended before its first checkpoint"; exit 1; }
