@@ -185,10 +185,12 @@ def epoch_batches(ctx: RankContext, run: DrafterRun, source: FeatureSource, cloc
     """(epoch, step in the epoch, sample indices, batch) for this rank until the run is done;
     batch is None where this rank got no samples at that step."""
     for epoch in range(run.start_epoch, ctx.config.train.epochs):
+        if run.finished:  # a run resumed from its final checkpoint trains no further step
+            return
         run.sampler.set_epoch(epoch)
         for batch_step, indices, batch in source.batches(run.sampler.rank_batches(run.drafter_rank), clock):
             yield epoch, batch_step, indices, batch
-            if run.finished:
+            if run.finished:  # before the source fetches (in split placement, requests) another batch
                 return
 
 

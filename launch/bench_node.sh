@@ -7,7 +7,7 @@
 #   PYTHON=python3 NUM_GPUS=8 STEPS=60 bash launch/bench_node.sh
 # TARGET and DATA replace the 8B-shaped assets; LAUNCHER=torchrun replaces the DeepSpeed launcher.
 # A CPU dry run:  LAUNCHER=torchrun NUM_GPUS=2 STEPS=8 TARGET=dflash/demo/target \
-#   DATA=dflash/demo/data/train.jsonl bash launch/bench_node.sh
+#   DATA=dflash/demo/data/train.jsonl MAX_LENGTH=512 bash launch/bench_node.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -19,7 +19,7 @@ if [ -z "${TARGET:-}" ]; then
   [ -f "$OUT/assets/target/config.json" ] || "$PY" -m dflash.bench_assets --out "$OUT/assets"
 fi
 common=(--target "${TARGET:-$OUT/assets/target}" --train-data "${DATA:-$OUT/assets/train.jsonl}" --max-steps "$STEPS" --log-every 5
-        --eval-prompts 0 --report-to none --max-length 3072 --transport-timeout-s 600 --overwrite "$@")
+        --eval-prompts 0 --report-to none --max-length "${MAX_LENGTH:-3072}" --transport-timeout-s 600 --overwrite "$@")
 if [ "${LAUNCHER:-deepspeed}" = torchrun ]; then
   launcher=(-m torch.distributed.run --nproc_per_node "$N")
 else
@@ -49,9 +49,10 @@ setsid "$PY" "${launcher[@]}" --master_port 29531 train_drafter.py "${killed[@]}
 leader=$!
 until compgen -G "$OUT/killed/checkpoints/step_*/trainer_state.json" > /dev/null; do
   kill -0 "$leader" 2> /dev/null || { echo "the run to kill ended before its first checkpoint"; exit 1; }
-  sleep 1
+  sleep 0.1
 done
 kill -KILL -- -"$leader"; wait "$leader" || true
+[ ! -d "$OUT/killed/drafter" ] || { echo "the run finished before it was killed: raise STEPS"; exit 1; }
 resume=("${common[@]/--overwrite/--resume}")
 launch "${killed[@]}" "${resume[@]}" > "$OUT/resumed.log" 2>&1
 "$PY" - "$OUT/auto" "$OUT/killed" "$SAVE" <<'EOF'
@@ -59,6 +60,7 @@ import json, sys
 straight, resumed = ({r["step"]: r["loss"] for r in map(json.loads, open(f"{d}/metrics.jsonl"))} for d in sys.argv[1:3])
 after = [s for s in sorted(resumed) if s > int(sys.argv[3])]
 diff = max(abs(straight[s] - resumed[s]) for s in after)
-print(f"resume: steps {after[0]}-{after[-1]} after the checkpoint at {sys.argv[3]}, max |loss difference| {diff:.3g}")
+print(f"resume: logged steps {after} after the checkpoint at step {sys.argv[3]}, max |loss difference| "
+      f"against the uninterrupted run {diff:.3g}")
 EOF
 "$PY" -m dflash.throughput "${runs[@]}"
