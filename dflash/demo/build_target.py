@@ -50,6 +50,8 @@ RESPONSE_LINES = (10, 30)
 BUCKET_BATCHES = 8
 # Loss is reported as the mean over this many steps (also the start/end loss).
 LOG_EVERY = 25
+# The checkpoint is written in shards of at most this size, so that no tracked file is large.
+SHARD_SIZE = "8MB"
 
 
 def parse_args() -> argparse.Namespace:
@@ -250,7 +252,7 @@ def save(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, output_dir
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
     )
-    model.save_pretrained(output_dir)
+    model.save_pretrained(output_dir, max_shard_size=SHARD_SIZE)
     tokenizer.save_pretrained(output_dir)
 
 
