@@ -18,12 +18,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from dflash.demo import DEMO_HELDOUT_DATA, DEMO_TARGET_DIR, DEMO_TRAIN_DATA
-from dflash.demo.corpus import SnippetSampler, load_sources, user_prompt
+from dflash.demo.corpus import PROMPT_LINES, SnippetSampler, load_sources, user_prompt
 from dflash.distributed import pick_device
 
 logger = logging.getLogger(__name__)
 
-PROMPT_LINES = (8, 20)
 # The sampler also draws a continuation window; only its existence matters here (it
 # guarantees the prompt stops where real code goes on), its text is discarded.
 CONTINUATION_LINES = (1, 1)

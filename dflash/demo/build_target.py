@@ -27,7 +27,15 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from dflash.demo import DEMO_TARGET_DIR
-from dflash.demo.corpus import CHAT_TEMPLATE, SnippetSampler, SourceFile, load_sources, user_prompt
+from dflash.demo.corpus import (
+    CHAT_TEMPLATE,
+    PROMPT_LINES,
+    RESPONSE_LINES,
+    SnippetSampler,
+    SourceFile,
+    load_sources,
+    user_prompt,
+)
 from dflash.distributed import pick_device
 
 logger = logging.getLogger(__name__)
@@ -40,8 +48,6 @@ PRETOKENIZE_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-PROMPT_LINES = (8, 20)
-RESPONSE_LINES = (10, 30)
 # --minutes times the second half of the warmup (the first half holds start-up: worker
 # processes filling their first pools, kernel warm-up) and fixes the step budget when the
 # warmup ends; the warmup's schedule does not depend on the total, so a --minutes run

@@ -95,6 +95,11 @@ def load_sources(heldout: bool) -> list[SourceFile]:
     return sources
 
 
+# Lines per snippet: the prompt's code, and the real continuation the target is trained on.
+PROMPT_LINES = (8, 20)
+RESPONSE_LINES = (10, 30)
+
+
 def user_prompt(code: str) -> str:
     return PROMPT_PREFIX + code
 

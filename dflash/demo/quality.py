@@ -21,8 +21,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from dflash.demo import DEMO_TARGET_DIR, DEMO_TRAIN_DATA
-from dflash.demo.build_target import PROMPT_LINES, RESPONSE_LINES
-from dflash.demo.corpus import SnippetSampler, load_sources
+from dflash.demo.corpus import PROMPT_LINES, RESPONSE_LINES, SnippetSampler, load_sources
 
 MIN_DISTINCT_BIGRAMS = 0.6
 MAX_REPEATING_SHARE = 0.10

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.eval import chain_walk, evaluate
+from dflash.eval import chain_walk, continuation, evaluate
 
 
 def test_chain_walk_follows_decoding():
@@ -26,7 +26,6 @@ def test_teacher_forced_tau_equals_real_tau_on_the_demo_target():
     from dflash.drafter_step import DrafterStep, StepSettings
     from dflash.model import DFlashDrafter, drafter_config
     from dflash.objective import slot_weights
-    from dflash.speculative import greedy_decode
     from dflash.target import FrozenTarget, default_target_layer_ids, resolve_mask_token_id
 
     tokenizer = load_tokenizer(DEMO_TARGET_DIR)
@@ -38,7 +37,7 @@ def test_teacher_forced_tau_equals_real_tau_on_the_demo_target():
     step = DrafterStep(drafter, target.embed_tokens, target.lm_head,
                        StepSettings(max_anchors=32, slot_weights=slot_weights(8, 4.0), attention_backend="sdpa"))
     prompts = [prompt_ids(tokenizer, m) for m in load_chat_jsonl(DEMO_HELDOUT_DATA)[:8]]
-    rows = [p + greedy_decode(target, p, 48 + 7, eos_ids=set()).tokens for p in prompts]
+    rows = [p + continuation(target, p, 48, set(), block_size=8)[0] for p in prompts]
     width = max(map(len, rows))
     input_ids = torch.full((len(rows), width), tokenizer.pad_token_id)
     loss_mask = torch.zeros((len(rows), width), dtype=torch.bool)
