@@ -66,7 +66,7 @@ class TrainArgs:
     max_steps: int = field(default=-1, metadata={"help": "stop after this many optimizer steps (-1: all epochs)"})
     lr: float = field(default=6e-4, metadata={"help": "peak learning rate (AdamW; with Muon, of the 1-D weights)"})
     optimizer: str = field(default="adamw", metadata={"help": "adamw | muon (DeepSpeed's Muon for the 2-D weights, AdamW for the rest)"})
-    muon_lr: float = field(default=0.02, metadata={"help": "--optimizer muon: peak learning rate of the 2-D weights"})
+    muon_lr: float = field(default=0.2, metadata={"help": "--optimizer muon: peak learning rate of the 2-D weights (spectral norm per step)"})
     warmup_ratio: float = 0.04
     weight_decay: float = 0.0
     grad_clip: float = 1.0
@@ -74,7 +74,7 @@ class TrainArgs:
     max_anchors: int | None = field(default=None, metadata={"help": "A, anchors per sequence (recipe 512, demo 16)"})
     gamma: float | None = field(default=None, metadata={"help": "slot-weight decay (default 7 for B=16, 5 for B=10, 4 for B=8)"})
     slot_weights: str = field(default="decay", metadata={"help": "decay (exp(-(j-1)/gamma)) | uniform"})
-    loss: str = field(default="ce", metadata={"help": "ce (slot-weighted CE) | dpace (D-PACE-weighted CE) | ce+dpace"})
+    loss: str = field(default="dpace", metadata={"help": "dpace (D-PACE-weighted CE) | ce (slot-weighted CE) | ce+dpace"})
     dpace_alpha: float = field(default=0.5, metadata={"help": "D-PACE confidence smoothing, in (0, 1]"})
     dpace_weight: float = field(default=1.0, metadata={"help": "weight of the D-PACE term in --loss ce+dpace"})
     anchors: str = field(default="random", metadata={"help": "random (anchors drawn among response positions) | stride (blocks B apart, an ablation)"})

@@ -30,6 +30,8 @@ def test_a_small_sweep_trains_what_is_missing_and_tabulates_tau(tiny_setup, tmp_
     assert [v for v, _ in results["anchors"]] == ["random", "stride"]
     assert results["anchors"][0][1] == results["slot weights"][0][1] == [9.5], "reused, and shared by both groups"
     assert 1.0 <= results["anchors"][1][1][0] < 9.5  # trained for real: a 1-step drafter accepts little
+    command = (tmp_path / "sweep" / "anchors-stride-seed0.log").read_text().splitlines()[0]
+    assert "--loss ce --anchors stride" in command, "the baseline's flags, then the variant's"
     table = (tmp_path / "sweep" / "ablations.md").read_text()
     assert "| anchors | stride |" in table and "| slot weights | decay | 9.50 |" in table
     partial = ablations.main(["--out", str(tmp_path / "sweep"), "--seeds", "0,1", "--table-only"])
