@@ -196,6 +196,10 @@ def validate_recipe(t: TrainArgs) -> None:
     _require(0 < t.dpace_alpha <= 1, f"--dpace-alpha {t.dpace_alpha}: use a smoothing in (0, 1] (0.5 in the paper)")
     _require(math.isfinite(t.dpace_weight) and t.dpace_weight > 0, f"--dpace-weight {t.dpace_weight}: use > 0")
     _require(t.anchors in ("random", "stride"), f"--anchors {t.anchors}: use random or stride")
+    # D-PACE weighs slots by itself: the slot weights shape only the CE and KL terms
+    _require(t.loss != "dpace" or t.kl_weight > 0 or (t.gamma is None and t.slot_weights == "decay"),
+             f"--gamma / --slot-weights {t.slot_weights}: no effect with --loss dpace (it weighs slots itself); "
+             "use --loss ce or ce+dpace, or leave them out")
     _require(t.optimizer in ("adamw", "muon"), f"--optimizer {t.optimizer}: use adamw or muon")
     _require(math.isfinite(t.muon_lr) and t.muon_lr > 0, f"--muon-lr {t.muon_lr}: use a positive learning rate")
     _require(t.lr_schedule in ("cosine", "wsd"), f"--lr-schedule {t.lr_schedule}: use cosine or wsd")

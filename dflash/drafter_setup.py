@@ -115,10 +115,11 @@ def build_drafter_run(ctx: RankContext) -> DrafterRun:
             layer.compile(dynamic=True)
     if is_main:
         logger.info(
-            "drafter %d layers, %.1fM trainable params | features from target layers %s | B=%d A=%d gamma=%s | "
-            "%d sequences, %d steps/epoch, %d steps, attention %s",
+            "drafter %d layers, %.1fM trainable params | features from target layers %s | B=%d A=%d | loss %s, "
+            "slot weights %s | %d sequences, %d steps/epoch, %d steps, attention %s",
             dcfg.num_hidden_layers, sum(p.numel() for p in drafter.parameters()) / 1e6, dcfg.dflash_config[
-                "target_layer_ids"], dcfg.block_size, config.train.max_anchors, "uniform" if gamma is None else gamma, len(ctx.dataset),
+                "target_layer_ids"], dcfg.block_size, config.train.max_anchors, config.train.loss,
+            "uniform" if gamma is None else f"gamma={gamma}", len(ctx.dataset),
             steps_per_epoch, total_steps, settings.attention_backend,
         )
     start_epoch = 0

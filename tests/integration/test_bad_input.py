@@ -57,6 +57,8 @@ def test_missing_data_file(capsys, paths):
     (["--loss", "kl"], "--loss kl: use ce, dpace or ce+dpace"),
     (["--dpace-alpha", "0"], "--dpace-alpha 0.0"),
     (["--slot-weights", "linear"], "--slot-weights linear"),
+    (["--gamma", "5"], "no effect with --loss dpace"),
+    (["--slot-weights", "uniform"], "--slot-weights uniform: no effect with --loss dpace"),
     (["--anchors", "every"], "--anchors every"),
     (["--draft-window=-1"], "--draft-window -1"),
     (["--optimizer", "sgd"], "--optimizer sgd: use adamw or muon"),
