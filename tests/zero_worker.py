@@ -2,6 +2,7 @@
 the final weights. With 2 processes: ZeRO-2 data parallelism over the drafter group, rank r
 takes micro-batch r of every step. With 1 process: gradient accumulation over both micro-batches
 of every step (the doubled batch). The micro-batches hold unequal numbers of scored slots.
+The loss is CE + D-PACE, so both of its denominators (slot weights, scored slots) are covered.
 `global` normalises the loss by the step's denominators, summed over its micro-batches on every
 rank, as the trainer does; `local` divides each micro-batch by its own. `pooled` (1 process) is
 the reference: both micro-batches as one, the same blocks."""
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from conftest import MASK_ID, tiny_drafter, tiny_target
 from dflash.drafter_step import DrafterStep, StepSettings
 from dflash.attention import BlockLayout
-from dflash.objective import LossDenominators, build_blocks, slot_weights
+from dflash.objective import LossDenominators, LossTerms, build_blocks, slot_weights
 from dflash.topology import DrafterParallelism, drafter_groups, plan_topology
 
 STEPS = 3
@@ -60,7 +61,8 @@ def main(out_path: str, mode: str) -> None:
               "gradient_clipping": 1.0, "zero_optimization": {"stage": 2}, "steps_per_print": 10**9}
     engine, _, _, _ = deepspeed.initialize(model=drafter, optimizer=optimizer, config=config,
                                            mpu=DrafterParallelism(data_group, self_group, topology.drafter_ranks))
-    settings = StepSettings(max_anchors=6, slot_weights=slot_weights(4, 4.0), attention_backend="sdpa")
+    settings = StepSettings(max_anchors=6, slot_weights=slot_weights(4, 4.0), attention_backend="sdpa",
+                            terms=LossTerms("ce+dpace"))
     step = DrafterStep(engine.module, target.embed_tokens, target.lm_head, settings, forward=engine)
     mine = [rank] if world == 2 else [0, 1]
     for s in range(STEPS):
