@@ -144,7 +144,8 @@ def make_optimizer(config: RunConfig, drafter, ds_config: dict, device: torch.de
     if t.optimizer == "muon":
         ds_config["optimizer"] = {"type": "Muon", "params": {
             "lr": t.lr, "adam_lr": t.lr, "muon_lr": t.muon_lr, "betas": [0.9, 0.95], "eps": 1e-8,
-            "momentum": 0.95, "weight_decay": t.weight_decay}}
+            "momentum": 0.95, "weight_decay": t.weight_decay,
+            "torch_adam": True}}  # torch's AdamW for the 1-D half: DeepSpeed's FusedAdam is a JIT build
         return None
     return torch.optim.AdamW(drafter.parameters(), lr=t.lr, betas=(0.9, 0.95), weight_decay=t.weight_decay,
                              fused=device.type == "cuda")

@@ -69,6 +69,7 @@ engine.backward(engine(torch.randn(4, 8)).pow(2).mean())
 engine.step()
 groups = [(g.get("use_muon"), g["lr"], sum(p.numel() for p in g["params"])) for g in optimizer.optimizer.param_groups]
 print(json.dumps({"passed_none": optimizer is not None, "groups": groups,
+                  "adam_half": type(optimizer.optimizer.aux_optimizer).__name__,
                   "moved": [bool((p.detach() != b).any()) for p, b in zip(engine.module.parameters(), before)]}))
 """
 
@@ -83,3 +84,4 @@ def test_muon_takes_the_matrices_and_adamw_the_rest():
     assert by_kind[True] == (0.02, 64)  # the 8 x 8 weight matrix, at --muon-lr
     assert by_kind[False] == (1e-3, 16)  # the norm's weight and bias, at --lr
     assert report["moved"] == [True, True, True]
+    assert report["adam_half"] == "AdamW"  # torch's, so no DeepSpeed op is compiled at start
