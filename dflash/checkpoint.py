@@ -233,6 +233,11 @@ def saved_batching(path: Path) -> dict:
     return json.loads((path / STATE_FILE).read_text())["sampler"]["fingerprint"]
 
 
+def saved_recipe(path: Path) -> dict | None:
+    """The recipe flags the checkpoint at `path` was written with (None: it records none)."""
+    return json.loads((path / STATE_FILE).read_text()).get("recipe")
+
+
 def saved_drafter_ranks(path: Path) -> int:
     return int(saved_batching(path)["num_replicas"])
 

@@ -171,6 +171,28 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+# What a resumed run must share with its checkpoint besides the data and batching (the sampler
+# checks those): the objective, the optimizer and the LR curve. A changed --lr would be silently
+# replaced by the checkpoint's scheduler state, a changed loss would train another objective.
+RECIPE_FLAGS = ("loss", "dpace_alpha", "dpace_weight", "slot_weights", "gamma", "anchors", "zero_features",
+                "kl_weight", "feature_noise_std", "optimizer", "lr", "muon_lr", "weight_decay", "grad_clip",
+                "lr_schedule", "warmup_ratio", "decay_ratio")
+
+
+def recipe_settings(t: TrainArgs) -> dict:
+    """The recipe flags as a checkpoint records them."""
+    return {name: getattr(t, name) for name in RECIPE_FLAGS}
+
+
+def check_resumed_recipe(saved: dict, t: TrainArgs, checkpoint: Path) -> None:
+    """ConfigError naming every recipe flag that differs from the checkpoint's (`saved`; flags it
+    does not record are not compared)."""
+    changed = [f"--{name.replace('_', '-')} {now!r} (the checkpoint: {saved[name]!r})"
+               for name, now in recipe_settings(t).items() if name in saved and saved[name] != now]
+    _require(not changed, f"--resume from {checkpoint}: {'; '.join(changed)}. Pass the checkpoint's values to "
+             "continue that run, or start afresh with --overwrite instead of --resume")
+
+
 TRAIN_EVAL_FLAGS = {"prompts": "--eval-data", "num": "--eval-prompts", "tokens": "--eval-max-new-tokens",
                     "dtype": "--eval-dtype"}
 EVAL_FLAGS = {"prompts": "--prompts", "num": "--num-prompts", "tokens": "--max-new-tokens", "dtype": "--dtype"}

@@ -15,8 +15,9 @@ import numpy as np
 import torch
 
 from dflash.attention import resolve_backend
-from dflash.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint, saved_batching, saved_drafter_ranks
-from dflash.config import REPO_ROOT, ConfigError, RunConfig
+from dflash.checkpoint import (Checkpointer, latest_checkpoint, load_checkpoint, saved_batching, saved_drafter_ranks,
+                               saved_recipe)
+from dflash.config import REPO_ROOT, ConfigError, RunConfig, check_resumed_recipe
 from dflash.data import TokenDataset
 from dflash.distributed import RankInfo
 from dflash.drafter_step import DrafterStep, StepSettings
@@ -253,6 +254,10 @@ def resume(ctx: RankContext, engine, sampler: RankAwareBucketSampler, lr_schedul
     if path is None:
         logger.info("--resume: no complete checkpoint under %s, starting from scratch", config.train.output_dir)
         return 0, lr_schedule.last_step()
+    recipe = saved_recipe(path)
+    if recipe is None:
+        logger.warning("--resume: %s records no recipe flags (an older checkpoint); they are not checked", path)
+    check_resumed_recipe(recipe or {}, config.train, path)
     state = load_checkpoint(engine, path, ctx.drafter_rank, sampler.num_replicas, config.train.seed, ctx.data_group)
     saved_ranks = int(state["sampler"]["fingerprint"].get("num_replicas", sampler.num_replicas))
     sampler.load_state_dict(state["sampler"])

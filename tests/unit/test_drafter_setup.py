@@ -9,6 +9,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from conftest import REPO, free_port
@@ -85,3 +86,14 @@ def test_muon_takes_the_matrices_and_adamw_the_rest():
     assert by_kind[False] == (1e-3, 16)  # the norm's weight and bias, at --lr
     assert report["moved"] == [True, True, True]
     assert report["adam_half"] == "AdamW"  # torch's, so no DeepSpeed op is compiled at start
+
+
+def test_the_recipe_check_compares_only_what_the_checkpoint_records(tmp_path):
+    from dflash.config import ConfigError, TrainArgs, check_resumed_recipe, recipe_settings
+
+    saved = recipe_settings(TrainArgs())
+    check_resumed_recipe(saved, TrainArgs(), tmp_path)  # the same flags: no error
+    check_resumed_recipe({}, TrainArgs(optimizer="muon"), tmp_path)  # an older checkpoint records none
+    with pytest.raises(ConfigError, match=r"--gamma 5.0 \(the checkpoint: None\); --optimizer 'muon' "
+                                          r"\(the checkpoint: 'adamw'\)"):
+        check_resumed_recipe(saved, TrainArgs(optimizer="muon", gamma=5.0), tmp_path)
