@@ -172,11 +172,12 @@ def _require(ok: bool, message: str) -> None:
 
 
 # What a resumed run must share with its checkpoint besides the data and batching (the sampler
-# checks those): the objective, the optimizer and the LR curve. A changed --lr would be silently
-# replaced by the checkpoint's scheduler state, a changed loss would train another objective.
+# checks those): the objective, the optimizer, the LR curve and the run's length. The checkpoint's
+# scheduler state would silently replace a changed --lr and keep its own end step (a changed
+# --epochs or --max-steps); a changed loss would train another objective.
 RECIPE_FLAGS = ("loss", "dpace_alpha", "dpace_weight", "slot_weights", "gamma", "anchors", "zero_features",
                 "kl_weight", "feature_noise_std", "optimizer", "lr", "muon_lr", "weight_decay", "grad_clip",
-                "lr_schedule", "warmup_ratio", "decay_ratio")
+                "lr_schedule", "warmup_ratio", "decay_ratio", "epochs", "max_steps")
 
 
 def recipe_settings(t: TrainArgs) -> dict:

@@ -110,16 +110,16 @@ def test_resume_on_another_number_of_drafter_ranks(tmp_path, before, after):
 
 
 def test_a_resume_with_another_recipe_is_refused_before_training(tiny_setup, tmp_path):
-    """A changed loss or learning rate on --resume would train another objective or be replaced
-    by the checkpoint's scheduler state without a word: both are named, and nothing trains."""
+    """A changed loss, learning rate or length on --resume would train another objective, or be
+    overruled by the checkpoint's scheduler state, without a word: each is named, nothing trains."""
     out = tmp_path / "run"
     proc = run_trainer(tiny_args(tiny_setup, out, "--loss", "ce", "--save-every", "2"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     newest = latest_checkpoint(out)
     metrics = (out / "metrics.jsonl").read_text()
-    proc = run_trainer([*tiny_args(tiny_setup, out, "--lr", "1e-3"), "--resume"])
+    proc = run_trainer([*tiny_args(tiny_setup, out, "--lr", "1e-3", "--max-steps", "20"), "--resume"])
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert f"--resume from {newest}: --loss 'dpace' (the checkpoint: 'ce'); --lr 0.001 (the checkpoint: 0.0006)" \
-        in proc.stderr
+    assert (f"--resume from {newest}: --loss 'dpace' (the checkpoint: 'ce'); --lr 0.001 (the checkpoint: 0.0006); "
+            "--max-steps 20 (the checkpoint: 8)") in proc.stderr
     assert "--overwrite instead of --resume" in proc.stderr
     assert (out / "metrics.jsonl").read_text() == metrics and latest_checkpoint(out) == newest
