@@ -219,15 +219,28 @@ def validate_recipe(t: TrainArgs) -> None:
     _require(0 < t.dpace_alpha <= 1, f"--dpace-alpha {t.dpace_alpha}: use a smoothing in (0, 1] (0.5 in the paper)")
     _require(math.isfinite(t.dpace_weight) and t.dpace_weight > 0, f"--dpace-weight {t.dpace_weight}: use > 0")
     _require(t.anchors in ("random", "stride"), f"--anchors {t.anchors}: use random or stride")
-    # D-PACE weighs slots by itself: the slot weights shape only the CE and KL terms
-    _require(t.loss != "dpace" or t.kl_weight > 0 or (t.gamma is None and t.slot_weights == "decay"),
-             f"--gamma / --slot-weights {t.slot_weights}: no effect with --loss dpace (it weighs slots itself); "
-             "use --loss ce or ce+dpace, or leave them out")
     _require(t.optimizer in ("adamw", "muon"), f"--optimizer {t.optimizer}: use adamw or muon")
     _require(math.isfinite(t.muon_lr) and t.muon_lr > 0, f"--muon-lr {t.muon_lr}: use a positive learning rate")
     _require(t.lr_schedule in ("cosine", "wsd"), f"--lr-schedule {t.lr_schedule}: use cosine or wsd")
     _require(0 < t.decay_ratio <= 1 and t.warmup_ratio + t.decay_ratio <= 1,
              f"--decay-ratio {t.decay_ratio}: use a fraction in (0, 1] that leaves room for --warmup-ratio {t.warmup_ratio}")
+    check_no_ignored_flags(t)
+
+
+def check_no_ignored_flags(t: TrainArgs) -> None:
+    """A knob the chosen recipe does not use is an error, not a silent no-op (a default value passes)."""
+    # D-PACE weighs slots by itself: the slot weights shape only the CE and KL terms
+    _require(t.loss != "dpace" or t.kl_weight > 0 or (t.gamma is None and t.slot_weights == "decay"),
+             f"--gamma / --slot-weights {t.slot_weights}: no effect with --loss dpace (it weighs slots itself); "
+             "use --loss ce or ce+dpace, or leave them out")
+    defaults = TrainArgs()
+    users = {"muon_lr": (t.optimizer == "muon", "--optimizer muon"),
+             "dpace_alpha": (t.loss != "ce", "--loss dpace or ce+dpace"),
+             "dpace_weight": (t.loss == "ce+dpace", "--loss ce+dpace"),
+             "decay_ratio": (t.lr_schedule == "wsd", "--lr-schedule wsd")}
+    for name, (used, by) in users.items():
+        _require(used or getattr(t, name) == getattr(defaults, name),
+                 f"--{name.replace('_', '-')} {getattr(t, name)}: only {by} uses it; add that or leave it out")
 
 
 def validate(config: RunConfig, for_training: bool = True) -> None:
