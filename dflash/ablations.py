@@ -1,6 +1,7 @@
 """The ablations behind the recipe's defaults: each group trains the demo drafter with one flag
-changed from a fixed baseline (BASELINE), on the same data and steps, over several seeds, and reports the real tau (speculative
-decoding on the held-out prompts, eval.json's `trained.tau`) as mean and spread.
+changed from a fixed baseline (BASELINE), on the same data and steps, over several seeds, and
+reports the real tau (speculative decoding on the held-out prompts, eval.json's `trained.tau`)
+as mean and spread.
 
     python -m dflash.ablations --out runs/ablations --seeds 0,1,2 --parallel 8
     python -m dflash.ablations --out /tmp/abl --groups loss --seeds 0 --extra "--max-steps 20"

@@ -17,7 +17,7 @@ import torch
 from dflash.attention import resolve_backend
 from dflash.checkpoint import (Checkpointer, latest_checkpoint, load_checkpoint, saved_batching, saved_drafter_ranks,
                                saved_recipe)
-from dflash.config import REPO_ROOT, ConfigError, RunConfig, check_resumed_recipe
+from dflash.config import REPO_ROOT, ConfigError, RunConfig, check_resumed_recipe, recipe_settings
 from dflash.data import TokenDataset
 from dflash.distributed import RankInfo
 from dflash.drafter_step import DrafterStep, StepSettings
@@ -73,13 +73,16 @@ class DrafterRun:
     drafter_rank: int
     is_main: bool
     initial_dir: Path  # the untrained drafter, exported for the before/after eval
+    recipe: dict  # the recipe flags every checkpoint records, so that a resume can check them
 
     @property
     def finished(self) -> bool:
         return self.engine.global_steps >= self.total_steps
 
-    def sampler_state(self, epoch: int, batch_step: int) -> dict:
-        return {**self.sampler.state_dict(), "epoch": epoch, "position": batch_step + 1}
+    def trainer_state(self, epoch: int, batch_step: int) -> dict:
+        """What a checkpoint taken after this batch step records besides the engine's state."""
+        sampler = {**self.sampler.state_dict(), "epoch": epoch, "position": batch_step + 1}
+        return {"sampler": sampler, "recipe": self.recipe}
 
 
 def build_drafter_run(ctx: RankContext) -> DrafterRun:
@@ -133,7 +136,7 @@ def build_drafter_run(ctx: RankContext) -> DrafterRun:
         scheduler=scheduler, checkpointer=checkpointer,
         guard=SpikeGuard(config.train.spike_factor, group=ctx.data_group), anchors=anchors,
         total_steps=total_steps, start_epoch=start_epoch, drafter_rank=drafter_rank, is_main=is_main,
-        initial_dir=initial_dir,
+        initial_dir=initial_dir, recipe=recipe_settings(config.train),
     )
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dflash.config import RunConfig, earlier_run_files, recipe_settings
+from dflash.config import RunConfig, earlier_run_files
 from dflash.data import TokenDataset, load_tokenizer
 from dflash.data_tools import prepare_train_shard, train_shard_dir
 from dflash.distributed import RankInfo
@@ -175,8 +175,7 @@ def train_drafter_rank(ctx: RankContext, source: FeatureSource) -> TrainResult:
                 report.micro_batch(out, indices)
             if stepped:
                 report.optimizer_step(epoch, batch_step)
-                run.checkpointer.maybe_save(run.engine.global_steps, {"sampler": run.sampler_state(epoch, batch_step),
-                                                                      "recipe": recipe_settings(ctx.config.train)})
+                run.checkpointer.maybe_save(run.engine.global_steps, run.trainer_state(epoch, batch_step))
             clock.mark("bookkeeping")
     return finish(ctx, run, report, source)
 
