@@ -15,6 +15,7 @@ from transformers import HfArgumentParser
 
 from dflash.data import load_chat_jsonl
 from dflash.demo import DEMO_HELDOUT_DATA, DEMO_TARGET_DIR, DEMO_TRAIN_DATA
+from dflash.gguf_target import is_model_path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_BUCKETS = [0, 770, 1216, 1728, 2432, 3296, 8192]
@@ -26,8 +27,8 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelArgs:
-    target: str | None = field(default=None, metadata={"help": "HF causal-LM folder (default: the shipped demo target)"})
-    tokenizer: str | None = field(default=None, metadata={"help": "tokenizer folder with a chat template (default: --target)"})
+    target: str | None = field(default=None, metadata={"help": "HF causal-LM folder, or a .gguf file (de-quantized once into <output-dir>/target-hf) (default: the shipped demo target)"})
+    tokenizer: str | None = field(default=None, metadata={"help": "tokenizer folder with a chat template, or a .gguf file (default: --target)"})
     num_draft_layers: int | None = field(default=None, metadata={"help": "drafter layers (recipe 5, demo 2)"})
     target_layer_ids: list[int] | None = field(default=None, metadata={"help": "target layers whose outputs feed the drafter"})
     num_target_features: int = field(default=5, metadata={"help": "K, when --target-layer-ids is not given"})
@@ -209,7 +210,7 @@ def check_eval_flags(prompts: str | None, num_prompts: int, max_new_tokens: int,
     _require(dtype in ("float32", "bfloat16"), f"{names['dtype']} {dtype}: use float32 or bfloat16")
     if prompts is not None and num_prompts > 0:
         _require(Path(prompts).is_file(), f"{names['prompts']} {prompts}: no such file; pass a chat JSONL file")
-        load_chat_jsonl(prompts)
+        load_chat_jsonl(prompts, require_reply=False)
 
 
 def validate_recipe(t: TrainArgs) -> None:
@@ -246,8 +247,9 @@ def check_no_ignored_flags(t: TrainArgs) -> None:
 def validate(config: RunConfig, for_training: bool = True) -> None:
     """Checks that need no model or data: they fail in a second, not after loading."""
     m, d, t = config.model, config.data, config.train
-    _require(Path(m.target).is_dir(), f"--target {m.target}: no such folder; pass a local HF model folder")
-    _require(Path(m.tokenizer).is_dir(), f"--tokenizer {m.tokenizer}: no such folder")
+    _require(is_model_path(m.target),
+             f"--target {m.target}: no such folder or .gguf file; pass a local HF model folder or a GGUF file")
+    _require(is_model_path(m.tokenizer), f"--tokenizer {m.tokenizer}: no such folder or .gguf file")
     _require(Path(d.train_data).is_file(), f"--train-data {d.train_data}: no such file; pass a chat JSONL file")
     check_eval_flags(d.eval_data, t.eval_prompts, t.eval_max_new_tokens, t.eval_dtype, TRAIN_EVAL_FLAGS, min_prompts=0)
     _require(d.overflow in ("truncate", "drop"), f"--overflow {d.overflow}: use truncate or drop")

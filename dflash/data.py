@@ -1,8 +1,9 @@
 """Chat data -> tokenized shards -> padded batches (dflash/sampler.py picks the indices).
 
 Pipeline:
-  load_chat_jsonl      JSONL conversations, validated with file:line errors
-  load_tokenizer       a tokenizer folder with a chat template
+  load_chat_jsonl      JSONL conversations, validated with file:line errors (prompt-only ones
+                       too, for regeneration and evaluation: require_reply=False)
+  load_tokenizer       a tokenizer folder (or a GGUF file's tokenizer) with a chat template
   tokenize_conversation  chat-template token ids + loss mask on assistant tokens
   prepare_dataset      writes a memmap shard directory (reused when up to date)
   TokenDataset         read-only view of a shard
@@ -75,11 +76,13 @@ class SampleError(DataError):
 # JSONL loading
 
 
-def load_chat_jsonl(path: str | Path) -> list[Messages]:
+def load_chat_jsonl(path: str | Path, require_reply: bool = True) -> list[Messages]:
     """Read every conversation of a chat JSONL file as a list of role/content messages; the
-    first bad line raises a DataError naming it."""
+    first bad line raises a DataError naming it. Training needs an assistant reply in each;
+    prompts (regeneration, evaluation: require_reply=False) may end in a user turn or be
+    `{"prompt": ...}` alone, since only what precedes the final reply is used."""
     path = Path(path)
-    return [parse_line(raw, f"{path}:{lineno}") for lineno, raw in _iter_lines(path)]
+    return [parse_line(raw, f"{path}:{lineno}", require_reply) for lineno, raw in _iter_lines(path)]
 
 
 def _iter_lines(path: Path) -> Iterator[tuple[int, bytes]]:
@@ -100,9 +103,9 @@ def _iter_lines(path: Path) -> Iterator[tuple[int, bytes]]:
                         "pass a JSONL file with one conversation per line")
 
 
-def parse_line(raw: bytes, where: str) -> Messages:
+def parse_line(raw: bytes, where: str, require_reply: bool = True) -> Messages:
     """One JSONL line -> messages; raises SampleError naming `where`."""
-    return _parse_record(_parse_json(_decode_line(raw, where), where), where)
+    return _parse_record(_parse_json(_decode_line(raw, where), where), where, require_reply)
 
 
 def _decode_line(raw: bytes, where: str) -> str:
@@ -121,7 +124,7 @@ def _parse_json(line: str, where: str) -> Any:
                           "each line must be one JSON object", "malformed JSON") from err
 
 
-def _parse_record(record: Any, where: str) -> Messages:
+def _parse_record(record: Any, where: str, require_reply: bool) -> Messages:
     """Turn one JSON line into messages, accepting the `messages` or `prompt`/`response` form."""
     if not isinstance(record, dict):
         raise SampleError(f"{where}: expected a JSON object, got {type(record).__name__}", "not a conversation")
@@ -133,11 +136,13 @@ def _parse_record(record: Any, where: str) -> Messages:
     if has_messages:
         messages = _parse_messages(record["messages"], where)
     else:
-        messages = [
-            {"role": "user", "content": _string_field(record, "prompt", where)},
-            {"role": "assistant", "content": _string_field(record, "response", where)},
-        ]
-    _check_assistant_replies(messages, where)
+        messages = [{"role": "user", "content": _string_field(record, "prompt", where)}]
+        if require_reply or "response" in record:
+            messages.append({"role": "assistant", "content": _string_field(record, "response", where)})
+    if require_reply:
+        _check_assistant_replies(messages, where)
+    else:
+        _check_prompt(messages, where)
     return messages
 
 
@@ -170,12 +175,20 @@ def _check_assistant_replies(messages: Messages, where: str) -> None:
     """A conversation must train on something: at least one non-empty assistant turn."""
     replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not replies:
-        raise SampleError(f"{where}: conversation has no assistant turn, so nothing to train on; "
-                          "add an assistant reply or remove the line", "no assistant turn")
+        raise SampleError(f"{where}: conversation has no assistant turn, so nothing to train on; add an "
+                          "assistant reply (python -m dflash.regenerate writes the target's) or remove the line",
+                          "no assistant turn")
     for turn in replies:
         if not messages[turn]["content"].strip():
             raise SampleError(f"{where}: assistant turn messages[{turn}] has empty content; "
                               "fill it in or remove the line", "empty assistant turn")
+
+
+def _check_prompt(messages: Messages, where: str) -> None:
+    """A prompt needs a turn before its final reply for the model to answer (see prompt_messages)."""
+    if all(m["role"] == "assistant" for m in messages):
+        raise SampleError(f"{where}: conversation has only assistant turns, so no prompt to answer; "
+                          "add a user turn or remove the line", "no prompt")
 
 
 # ---------------------------------------------------------------------------
@@ -219,14 +232,17 @@ def tokenize_conversation(
 
 
 def load_tokenizer(name_or_path: str | Path) -> PreTrainedTokenizerBase:
-    """Load a tokenizer folder, which must carry a chat template."""
+    """Load a tokenizer folder, or the tokenizer a GGUF file carries; it must have a chat template."""
     from transformers import AutoTokenizer  # heavy import, only needed here
 
+    from dflash.gguf_target import from_pretrained_args  # imports transformers too
+
+    name, kwargs = from_pretrained_args(name_or_path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
+        tokenizer = AutoTokenizer.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as err:
         raise DataError(f"--tokenizer {name_or_path}: cannot load a tokenizer ({err}); pass a "
-                        "folder with tokenizer files and a chat template") from err
+                        "folder with tokenizer files and a chat template, or a GGUF file") from err
     _require_chat_template(tokenizer)
     return tokenizer
 

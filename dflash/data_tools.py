@@ -4,8 +4,9 @@
     python -m dflash.data stats   --target /models/Qwen3-8B --train-data chats.jsonl --output-dir runs/x
 
 `prepare` tokenizes into <output-dir>/data/train, the shard the run with those flags then reuses
-(so a long preparation does not hold the launched ranks). `stats` prepares too, then reports
-the length histogram against the buckets, the loss-token share, what was truncated or skipped,
+(so a long preparation does not hold the launched ranks), and de-quantizes a GGUF --target into
+<output-dir>/target-hf for the same reason. `stats` tokenizes too (it needs no target weights), then
+reports the length histogram against the buckets, the loss-token share, what was truncated or skipped,
 anchors per sequence and the steps per epoch for 1 and 8 drafter ranks.
 """
 
@@ -19,7 +20,9 @@ import numpy as np
 from dflash.config import ConfigError, RunConfig, parse_config
 from dflash.data import DataError, TokenDataset, load_tokenizer, prepare_dataset
 from dflash.distributed import setup_logging
+from dflash.gguf_target import resolve_target, run_target_dir
 from dflash.sampler import RankAwareBucketSampler
+from dflash.target import TargetError
 
 COMMANDS = ("prepare", "stats")
 
@@ -75,9 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = parse_config(argv[1:], for_training=False)
         shard = prepare_train_shard(config, load_tokenizer(config.model.tokenizer))
+        if argv[0] == "prepare":  # a GGUF target's conversion too, which the launched run then reuses
+            resolve_target(config.model.target, run_target_dir(config.train.output_dir))
         if argv[0] == "stats":
             print(stats_report(config, TokenDataset(shard)))
-    except (ConfigError, DataError) as err:  # a user's mistake: one line, no traceback
+    except (ConfigError, DataError, TargetError) as err:  # a user's mistake: one line, no traceback
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -28,9 +28,10 @@ from dflash.demo import DEMO_HELDOUT_DATA, DEMO_TARGET_DIR
 from dflash.distributed import pick_device, setup_logging
 from dflash.drafter_step import DrafterStep, StepSettings
 from dflash.export import DrafterLoadError, load_drafter
+from dflash.gguf_target import resolve_target
 from dflash.model import DFlashDrafter
 from dflash.objective import anchor_candidates, expected_acceptance_length, slot_weights
-from dflash.speculative import greedy_decode, speculative_decode
+from dflash.speculative import DECODERS, Decoder, resolve_decoder
 from dflash.target import FrozenTarget, TargetError
 
 logger = logging.getLogger(__name__)
@@ -39,13 +40,16 @@ logger = logging.getLogger(__name__)
 @dataclass
 class EvalArgs:
     drafter: str = field(default="runs/demo/drafter", metadata={"help": "exported drafter folder"})
-    target: str = field(default=str(DEMO_TARGET_DIR))
+    target: str = field(default=str(DEMO_TARGET_DIR), metadata={
+        "help": "HF causal-LM folder, or a .gguf file (de-quantized once into <file>.hf, or ~/.cache/dflash/)"})
     tokenizer: str | None = field(default=None, metadata={"help": "default: --target"})
     prompts: str = field(default=str(DEMO_HELDOUT_DATA), metadata={"help": "chat JSONL; the last assistant turn is dropped"})
     num_prompts: int = 16
     max_new_tokens: int = 96
     device: str = "auto"
     dtype: str = field(default="float32", metadata={"help": "float32 (exact lossless check) | bfloat16 (serving speed)"})
+    decoder: str = field(default="auto", metadata={"help": "fast (static KV caches, CUDA graphs on a GPU; Llama, "
+                                                           "Mistral, Qwen2/3) | plain (HF forward, any family) | auto"})
     output: str | None = field(default=None, metadata={"help": "write the report as JSON here"})
 
 
@@ -60,6 +64,7 @@ class EvalReport:
     tokens: int
     diverged: int  # prompts whose speculative output differs from greedy
     dtype: str = "float32"
+    decoder: str = "plain"
     teacher_forced_acc: list[float] = field(default_factory=list)
     teacher_forced_streak: float = 0.0  # mean leading correct slots per block (no bonus)
     teacher_forced_eal: float = 0.0  # from per-slot accuracy (no bonus)
@@ -73,9 +78,18 @@ class EvalReport:
             f"1+EAL {1 + self.teacher_forced_eal:.2f}) | speedup {self.speedup:.2f}x "
             f"({self.greedy_seconds:.2f}s greedy, {self.speculative_seconds:.2f}s speculative) | "
             f"acceptance by position [{acc}{', ...' if len(self.acceptance) > 8 else ''}] | "
-            f"{self.tokens} tokens, {self.prompts} prompts, {self.dtype} | "
+            f"{self.greedy_tokens_per_second:.0f} -> {self.speculative_tokens_per_second:.0f} tokens/s | "
+            f"{self.tokens} tokens, {self.prompts} prompts, {self.dtype}, {self.decoder} decoder | "
             f"identical to greedy on {self.prompts - self.diverged}/{self.prompts}"
         )
+
+    @property
+    def greedy_tokens_per_second(self) -> float:
+        return self.tokens / max(self.greedy_seconds, 1e-9)
+
+    @property
+    def speculative_tokens_per_second(self) -> float:
+        return self.tokens / max(self.speculative_seconds, 1e-9)
 
     @property
     def lossless(self) -> bool:
@@ -114,11 +128,11 @@ def chain_walk(streaks: list[int], produced: int) -> list[int]:
     return accepted
 
 
-def continuation(target: FrozenTarget, prompt: list[int], max_new_tokens: int, eos_ids: set[int],
+def continuation(decoder: Decoder, prompt: list[int], max_new_tokens: int, eos_ids: set[int],
                  block_size: int) -> tuple[list[int], int]:
     """The target's greedy continuation, B-1 tokens past where decoding stops (its last cycle
     still checks a whole block there), and how many reply tokens decoding keeps."""
-    tokens = greedy_decode(target, prompt, max_new_tokens + block_size - 1, eos_ids=set()).tokens
+    tokens = decoder.greedy(prompt, max_new_tokens + block_size - 1, eos_ids=set()).tokens
     kept = next((i + 1 for i, t in enumerate(tokens[:max_new_tokens]) if t in eos_ids), max_new_tokens)
     return tokens, kept
 
@@ -158,18 +172,21 @@ def teacher_forced(target: FrozenTarget, drafter: DFlashDrafter,
 
 
 def evaluate(target: FrozenTarget, drafter: DFlashDrafter, prompts: list[list[int]], max_new_tokens: int,
-             eos_ids: set[int]) -> EvalReport:
+             eos_ids: set[int], decoder: str = "auto") -> EvalReport:
     drafter = drafter.to(target.device, target.embed_tokens.weight.dtype).eval()
-    greedy_decode(target, prompts[0], 4, eos_ids)  # warm-up: first calls pay one-off costs
-    speculative_decode(target, drafter, prompts[0], 4, eos_ids)
+    kind = resolve_decoder(decoder, target)
+    block = drafter.block_size
+    decode = Decoder(target, drafter, max(map(len, prompts)) + max_new_tokens + block, kind)
+    decode.greedy(prompts[0], 4, eos_ids)  # warm-up: first calls pay one-off costs (and capture graphs)
+    decode.speculative(prompts[0], 4, eos_ids)
     greedy_s = spec_s = 0.0
     accepted: list[int] = []
     tokens = 0
     diverged = 0
     sequences = []
     for prompt in prompts:
-        plain = greedy_decode(target, prompt, max_new_tokens, eos_ids)
-        spec = speculative_decode(target, drafter, prompt, max_new_tokens, eos_ids)
+        plain = decode.greedy(prompt, max_new_tokens, eos_ids)
+        spec = decode.speculative(prompt, max_new_tokens, eos_ids)
         if spec.tokens != plain.tokens:
             diverged += 1
             logger.error("speculative output differs from greedy on a prompt of %d tokens", len(prompt))
@@ -177,22 +194,22 @@ def evaluate(target: FrozenTarget, drafter: DFlashDrafter, prompts: list[list[in
         spec_s += spec.seconds
         accepted += spec.accepted
         tokens += len(spec.tokens)
-        sequences.append((prompt, *continuation(target, prompt, max_new_tokens, eos_ids, drafter.block_size)))
+        sequences.append((prompt, *continuation(decode, prompt, max_new_tokens, eos_ids, block)))
     accepted_t = torch.tensor(accepted or [0], dtype=torch.float64)
-    block = drafter.block_size
     acceptance = [float((accepted_t >= j).double().mean()) for j in range(1, block)]
     tf = teacher_forced(target, drafter, sequences)
     return EvalReport(
         prompts=len(prompts), tau=float(accepted_t.mean() + 1), acceptance=acceptance,
         speedup=greedy_s / max(spec_s, 1e-9), greedy_seconds=greedy_s, speculative_seconds=spec_s,
         tokens=tokens, diverged=diverged, dtype=str(target.embed_tokens.weight.dtype).removeprefix("torch."),
+        decoder=kind,
         teacher_forced_acc=tf.acc, teacher_forced_streak=tf.streak, teacher_forced_eal=tf.eal,
         teacher_forced_tau=tf.tau,
     )
 
 
 def load_prompts(path: str, tokenizer, limit: int) -> list[list[int]]:
-    conversations = load_chat_jsonl(path)[:limit]
+    conversations = load_chat_jsonl(path, require_reply=False)[:limit]
     prompts = []
     for number, messages in enumerate(conversations, start=1):
         try:
@@ -205,6 +222,7 @@ def load_prompts(path: str, tokenizer, limit: int) -> list[list[int]]:
 def evaluate_drafters(
     target_path: str, tokenizer_path: str, drafters: dict[str, str | Path], prompts_path: str,
     num_prompts: int, max_new_tokens: int, device: torch.device, dtype: torch.dtype = torch.float32,
+    decoder: str = "auto",
 ) -> dict[str, EvalReport]:
     """Load the target once and judge each named drafter folder on the same prompts."""
     tokenizer = load_tokenizer(tokenizer_path)
@@ -213,11 +231,11 @@ def evaluate_drafters(
     layer_ids = {tuple(d.config.dflash_config["target_layer_ids"]) for d in loaded.values()}
     if len(layer_ids) != 1:
         raise DrafterLoadError(f"drafters {list(drafters)} read different target layers {sorted(layer_ids)}")
-    target = FrozenTarget.load(target_path, list(layer_ids.pop()), dtype, device)
+    target = FrozenTarget.load(resolve_target(target_path), list(layer_ids.pop()), dtype, device)
     eos = eos_token_ids(tokenizer, target)
     reports = {}
     for name, drafter in loaded.items():
-        reports[name] = evaluate(target, drafter, prompts, max_new_tokens, eos)
+        reports[name] = evaluate(target, drafter, prompts, max_new_tokens, eos, decoder)
         logger.info("eval %s: %s", name, reports[name].summary())
     return reports
 
@@ -237,8 +255,10 @@ def check_lossless(reports: dict[str, EvalReport]) -> bool:
 
 
 def write_reports(reports: dict[str, EvalReport], path: str | Path) -> None:
-    Path(path).write_text(json.dumps({k: {**asdict(v), "lossless": v.lossless} for k, v in reports.items()},
-                                     indent=2) + "\n")
+    Path(path).write_text(json.dumps({k: {**asdict(v), "lossless": v.lossless,
+                                          "greedy_tokens_per_second": v.greedy_tokens_per_second,
+                                          "speculative_tokens_per_second": v.speculative_tokens_per_second}
+                                      for k, v in reports.items()}, indent=2) + "\n")
 
 
 EVAL_ERRORS = (DataError, DrafterLoadError, TargetError, ValueError)
@@ -249,10 +269,12 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(0)
     try:
         check_eval_flags(args.prompts, args.num_prompts, args.max_new_tokens, args.dtype, EVAL_FLAGS, min_prompts=1)
+        if args.decoder not in DECODERS:
+            raise ValueError(f"--decoder {args.decoder}: use one of {', '.join(DECODERS)}")
         device = pick_device(args.device, 0)
         reports = evaluate_drafters(
             args.target, args.tokenizer or args.target, {"drafter": args.drafter}, args.prompts,
-            args.num_prompts, args.max_new_tokens, device, getattr(torch, args.dtype),
+            args.num_prompts, args.max_new_tokens, device, getattr(torch, args.dtype), args.decoder,
         )
     except EVAL_ERRORS as err:  # a user's mistake: one line, no traceback
         print(f"error: {err}", file=sys.stderr)

@@ -152,14 +152,23 @@ class DFlashLayer(nn.Module):
 
 @dataclass
 class DrafterCache:
-    """Per-layer keys/values of the committed context, for decoding."""
+    """Per-layer keys/values of the committed context at a fixed capacity, for decoding: column t
+    holds position t. A draft attends only to columns before its anchor, so columns written for
+    tokens that were then rejected are never seen, and are rewritten once the context reaches
+    them; fixed shapes let a draft step replay as a CUDA graph."""
 
-    keys: list[torch.Tensor] = field(default_factory=list)
-    values: list[torch.Tensor] = field(default_factory=list)
+    keys: torch.Tensor  # [layers, b, Hkv, capacity, d]
+    values: torch.Tensor
+
+    @classmethod
+    def allocate(cls, config: Qwen3Config, batch: int, capacity: int, device: torch.device,
+                 dtype: torch.dtype) -> "DrafterCache":
+        shape = (config.num_hidden_layers, batch, config.num_key_value_heads, capacity, config.head_dim)
+        return cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
 
     @property
-    def length(self) -> int:
-        return self.keys[0].shape[2] if self.keys else 0
+    def capacity(self) -> int:
+        return self.keys.shape[3]
 
 
 class DFlashDrafter(nn.Module):
@@ -228,26 +237,29 @@ class DFlashDrafter(nn.Module):
 
     @torch.no_grad()
     def extend_context(self, cache: DrafterCache, features: torch.Tensor, positions: torch.Tensor) -> None:
-        """Append committed tokens' target features [b, T, K*D] at `positions` [b, T]."""
+        """Write tokens' target features [b, T, K*D] at `positions` [1, T] (one set for all rows)."""
         context = self.fuse_context(features)
         cos, sin = self._cos_sin(context, positions)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.key_values(context, cos, sin)
-            if i < len(cache.keys):
-                cache.keys[i] = torch.cat([cache.keys[i], k], dim=2)
-                cache.values[i] = torch.cat([cache.values[i], v], dim=2)
-            else:
-                cache.keys.append(k)
-                cache.values.append(v)
+            cache.keys[i].index_copy_(2, positions[0], k)
+            cache.values[i].index_copy_(2, positions[0], v)
 
     @torch.no_grad()
     def draft(self, cache: DrafterCache, block_embeds: torch.Tensor, block_positions: torch.Tensor) -> torch.Tensor:
-        """Inference forward of one block per sequence over the cached context: no mask is
-        needed, the cache holds exactly the positions before the anchor (of which a sliding
-        window keeps the last `window`). Returns [b, B, D]."""
+        """Inference forward of one block per sequence over the cached context: the block sees
+        the context columns before its anchor (the last `window` of them with a sliding window)
+        and all of its own slots. block_positions [b, B], anchors first. Returns [b, B, D]."""
+        anchor = block_positions[:, :1, None]  # [b, 1, 1]
+        columns = torch.arange(cache.capacity, device=block_positions.device)
+        sees_context = columns < anchor
+        if self.window > 0:
+            sees_context = sees_context & (columns >= anchor - self.window)
+        b, block = block_positions.shape
+        sees_block = torch.ones(b, 1, block, dtype=torch.bool, device=block_positions.device)
+        mask = torch.cat([sees_context.expand(b, block, -1), sees_block.expand(b, block, block)], dim=-1)[:, None]
         cos, sin = self._cos_sin(block_embeds, block_positions)
         x = block_embeds.to(self.fc.weight.dtype)
-        first = -self.window if self.window > 0 else 0
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.keys[i][:, :, first:], cache.values[i][:, :, first:], None)
+            x = layer(x, cos, sin, cache.keys[i], cache.values[i], mask)
         return self.norm(x)

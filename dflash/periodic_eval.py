@@ -10,6 +10,7 @@ import logging
 import time
 
 from dflash.eval import continuation, eos_token_ids, load_prompts, teacher_forced
+from dflash.speculative import Decoder, resolve_decoder
 from dflash.target import FrozenTarget
 
 logger = logging.getLogger(__name__)
@@ -22,7 +23,9 @@ class TauProbe:
         eos = eos_token_ids(tokenizer, target)
         prompts = load_prompts(prompts_path, tokenizer, num_prompts)
         self.target = target
-        self.sequences = [(p, *continuation(target, p, max_new_tokens, eos, block_size)) for p in prompts]
+        decoder = Decoder(target, None, max(map(len, prompts)) + max_new_tokens + block_size,
+                          resolve_decoder("auto", target))
+        self.sequences = [(p, *continuation(decoder, p, max_new_tokens, eos, block_size)) for p in prompts]
         logger.info("periodic eval: greedy continuations of %d held-out prompts computed in %.1f s",
                     len(self.sequences), time.perf_counter() - started)
 

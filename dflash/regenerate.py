@@ -6,8 +6,11 @@ learns what the target says rather than what the dataset says.
 
 Each conversation keeps its turns up to the last user turn; the final reply is replaced by the
 target's. With vLLM installed and a GPU visible, vLLM generates (`--engine auto`, the default);
-otherwise HF generation does, longest prompts first in batches of at most --batch-tokens (prompt
-+ new tokens, left-padded), so padding stays small and an out-of-memory shows in the first batch.
+otherwise, for greedy decoding of the families dflash.static_target runs (Llama, Mistral,
+Qwen2/3), the static-cache engine does (`fast`: CUDA graphs, one replay per token for a whole
+batch), else HF generation (`hf`). Both batch longest prompts first, at most --batch-tokens
+(prompt + new tokens, left-padded) per batch, so padding stays small and an out-of-memory shows
+in the first batch. Replies are kept exactly as the target wrote them (whitespace included).
 Finished replies are appended to <output>.partial as they come, so a killed run resumes where
 it stopped; at the end <output> holds every conversation in input order, usable as
 --train-data. Greedy by default; `--sampling target` uses the target's generation_config
@@ -22,17 +25,20 @@ import json
 import logging
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, HfArgumentParser
+from transformers import HfArgumentParser
 
 from dflash.config import ConfigError
 from dflash.data import DataError, load_chat_jsonl, load_tokenizer, prompt_ids, prompt_messages
 from dflash.distributed import pick_device, setup_logging
 from dflash.files import write_text_durably
-from dflash.target import TargetError
+from dflash.gguf_target import is_model_path, resolve_target
+from dflash.batch_generate import greedy_batches
+from dflash.static_target import FAST_FAMILIES
+from dflash.target import FrozenTarget, TargetError, load_target_config
 
 logger = logging.getLogger(__name__)
 VLLM_CHUNK = 4096
@@ -40,14 +46,17 @@ VLLM_CHUNK = 4096
 
 @dataclass
 class RegenerateArgs:
-    target: str = field(metadata={"help": "HF causal-LM folder that will be served"})
+    target: str = field(metadata={"help": "HF causal-LM folder that will be served, or a .gguf file (de-quantized "
+                                          "once into <file>.hf, or ~/.cache/dflash/)"})
     prompts: str = field(metadata={"help": "chat JSONL; the final assistant turn (if any) is replaced"})
     output: str = field(metadata={"help": "chat JSONL to write (usable as --train-data)"})
     tokenizer: str | None = field(default=None, metadata={"help": "default: --target"})
     max_new_tokens: int = 2048
     batch_tokens: int = field(default=262144, metadata={
         "help": "HF engine: prompt + new tokens per batch, all rows (an 8B target's KV cache: 38 GB)"})
-    engine: str = field(default="auto", metadata={"help": "auto (vllm when it is installed and a GPU is visible, else hf) | hf | vllm"})
+    engine: str = field(default="auto", metadata={
+        "help": "auto (vllm when it is installed and a GPU is visible, else fast where it applies, else hf) | "
+                "fast (static KV cache, CUDA graphs; greedy; Llama, Mistral, Qwen2/3) | hf | vllm"})
     sampling: str = field(default="greedy", metadata={"help": "greedy | target (the target's generation_config)"})
     thinking: str = field(default="off", metadata={"help": "off | on, for chat templates with enable_thinking"})
     limit: int = field(default=0, metadata={"help": "only the first N conversations (0: all)"})
@@ -60,14 +69,17 @@ def check_args(args: RegenerateArgs) -> None:
     problems = [
         (args.max_new_tokens >= 1, f"--max-new-tokens {args.max_new_tokens}: use at least 1"),
         (args.batch_tokens >= 1, f"--batch-tokens {args.batch_tokens}: use at least 1"),
-        (args.engine in ("auto", "hf", "vllm"), f"--engine {args.engine}: use auto, hf or vllm"),
+        (args.engine in ("auto", "fast", "hf", "vllm"), f"--engine {args.engine}: use auto, fast, hf or vllm"),
+        (args.engine != "fast" or args.sampling == "greedy", "--engine fast decodes greedily; use --sampling "
+                                                             "greedy, or --engine hf for --sampling target"),
         (args.engine != "vllm" or vllm_available(), "--engine vllm: vllm is not installed; pip install vllm, "
                                                     "or use --engine hf"),
         (args.sampling in ("greedy", "target"), f"--sampling {args.sampling}: use greedy or target"),
         (args.thinking in ("off", "on"), f"--thinking {args.thinking}: use off or on"),
         (args.dtype in ("bfloat16", "float32"), f"--dtype {args.dtype}: use bfloat16 or float32"),
         (args.limit >= 0, f"--limit {args.limit}: use 0 (all) or a count"),
-        (Path(args.target).is_dir(), f"--target {args.target}: no such folder; pass a local HF model folder"),
+        (is_model_path(args.target),
+         f"--target {args.target}: no such folder or .gguf file; pass a local HF model folder or a GGUF file"),
         (Path(args.prompts).is_file(), f"--prompts {args.prompts}: no such file; pass a chat JSONL file"),
     ]
     for ok, message in problems:
@@ -127,23 +139,42 @@ def generate_batch(model, prompts: list[list[int]], settings: dict, pad_id: int,
     return replies
 
 
-def hf_generate(args: RegenerateArgs, tokenizer, prompts: dict[int, list[int]], todo: dict[int, int]):
-    """Batched HF generation; yields (indices, [(reply text, new token count)]) per batch."""
+def load_target(args: RegenerateArgs) -> FrozenTarget:
     device = pick_device(args.device, 0)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype)).to(device)
-    except Exception as err:  # transformers raises many kinds for a bad folder
-        raise TargetError(f"--target {args.target}: cannot load a causal LM ({type(err).__name__}: {err})") from err
-    model.eval()
+    target = FrozenTarget.load(args.target, [0], getattr(torch, args.dtype), device)
     torch.manual_seed(args.seed)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return target
+
+
+def stop_token_ids(model, tokenizer) -> set[int]:
     eos = model.generation_config.eos_token_id
     stop_ids = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}
     stop_ids.discard(None)
+    return stop_ids
+
+
+def reply(tokenizer, tokens: list[int]) -> tuple[str, int]:
+    return tokenizer.decode(tokens, skip_special_tokens=True), len(tokens)
+
+
+def hf_generate(args: RegenerateArgs, tokenizer, prompts: dict[int, list[int]], todo: dict[int, int]):
+    """Batched HF generation; yields (indices, [(reply text, new token count)]) per batch."""
+    model = load_target(args).model
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    stop_ids = stop_token_ids(model, tokenizer)
     settings = generation_settings(model, args, pad_id)
     for batch in batches_by_length(todo, args.max_new_tokens, args.batch_tokens):
         replies = generate_batch(model, [prompts[i] for i in batch], settings, pad_id, stop_ids)
-        yield batch, [(tokenizer.decode(r, skip_special_tokens=True).strip(), len(r)) for r in replies]
+        yield batch, [reply(tokenizer, r) for r in replies]
+
+
+def fast_generate(args: RegenerateArgs, tokenizer, prompts: dict[int, list[int]], todo: dict[int, int]):
+    """Greedy generation on the static-cache target; yields like hf_generate."""
+    target = load_target(args)
+    stop_ids = stop_token_ids(target.model, tokenizer)
+    todo_prompts = {i: prompts[i] for i in todo}
+    for batch, replies in greedy_batches(target, todo_prompts, args.max_new_tokens, stop_ids, args.batch_tokens):
+        yield batch, [reply(tokenizer, r) for r in replies]
 
 
 def vllm_available() -> bool:
@@ -165,19 +196,22 @@ def vllm_generate(args: RegenerateArgs, tokenizer, prompts: dict[int, list[int]]
     for first in range(0, len(order), VLLM_CHUNK):
         batch = order[first: first + VLLM_CHUNK]
         outputs = llm.generate([{"prompt_token_ids": prompts[i]} for i in batch], params, use_tqdm=False)
-        yield batch, [(out.outputs[0].text.strip(), len(out.outputs[0].token_ids)) for out in outputs]
+        yield batch, [(out.outputs[0].text, len(out.outputs[0].token_ids)) for out in outputs]
 
 
 def pick_engine(args: RegenerateArgs):
     if args.engine == "vllm" or (args.engine == "auto" and vllm_available() and torch.cuda.is_available()
                                  and args.device != "cpu"):
         return vllm_generate
+    if args.engine == "fast" or (args.engine == "auto" and args.sampling == "greedy"
+                                 and load_target_config(args.target).model_type in FAST_FAMILIES):
+        return fast_generate
     return hf_generate
 
 
 def regenerate(args: RegenerateArgs) -> Path:
     check_args(args)
-    conversations = load_chat_jsonl(args.prompts)
+    conversations = load_chat_jsonl(args.prompts, require_reply=False)
     if args.limit:
         conversations = conversations[: args.limit]
     tokenizer = load_tokenizer(args.tokenizer or args.target)
@@ -190,10 +224,11 @@ def regenerate(args: RegenerateArgs) -> Path:
     logger.info("%d conversations, %d already done (%s), %d to generate", len(prompts), len(done), partial, len(todo))
     if todo:
         engine = pick_engine(args)
+        served = replace(args, target=resolve_target(args.target))  # a GGUF's de-quantized folder
         logger.info("generating with %s", engine.__name__)
         started, new_tokens, finished = time.perf_counter(), 0, 0
         with partial.open("a", encoding="utf-8") as sink:
-            for batch, replies in engine(args, tokenizer, prompts, todo):
+            for batch, replies in engine(served, tokenizer, prompts, todo):
                 for index, (text, count) in zip(batch, replies):
                     sink.write(json.dumps({"index": index, "reply": text}) + "\n")
                     done[index] = text

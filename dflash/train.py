@@ -26,6 +26,7 @@ from dflash.drafter_setup import DrafterRun, RankContext, build_drafter_run, tra
 from dflash.export import export_drafter
 from dflash.feature_source import FeatureSource, LocalFeatures, RemoteFeatures, compute_features
 from dflash.flops import cost_shapes
+from dflash.gguf_target import gguf_file, resolve_target, run_target_dir
 from dflash.model import drafter_config
 from dflash.objective import Blocks, LossDenominators, LossOutput
 from dflash.phases import PhaseClock
@@ -71,6 +72,20 @@ def build_drafter_config(config: RunConfig, tokenizer):
                           window=config.model.draft_window)
 
 
+def settle_target(config: RunConfig, ranks: RankInfo) -> None:
+    """A GGUF --target is de-quantized once into <output-dir>/target-hf by rank 0 (and by local
+    rank 0 of a node that does not share its filesystem) while the others wait; from here on
+    config.model.target names that folder, for every loader and the final evaluation."""
+    if gguf_file(config.model.target) is None:
+        return
+    cache = run_target_dir(config.train.output_dir)
+    for converts in (ranks.rank == 0, ranks.local_rank == 0):
+        if converts:
+            resolve_target(config.model.target, cache)
+        dist.barrier()
+    config.model.target = resolve_target(config.model.target, cache)  # complete by now: no conversion
+
+
 def clear_earlier_run(config: RunConfig, ranks: RankInfo) -> None:
     """--overwrite: rank 0 deletes what an earlier run left in --output-dir (never the prepared
     data); the others wait, so no rank writes into a half-deleted folder."""
@@ -113,6 +128,7 @@ def train(config: RunConfig, ranks: RankInfo) -> TrainResult:
     serve features (target ranks) or train (drafter ranks)."""
     device = ranks.device
     dtype = train_dtype(config, device)
+    settle_target(config, ranks)
     tokenizer = load_tokenizer(config.model.tokenizer)
     dcfg = build_drafter_config(config, tokenizer)
     clear_earlier_run(config, ranks)

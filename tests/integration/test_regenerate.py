@@ -1,11 +1,13 @@
 """Regeneration with the target itself, on the demo target and its 64 held-out prompts: batched
-left-padded generation equals one-at-a-time greedy decoding, an interrupted run resumes, and the
-output trains as --train-data."""
+left-padded generation (HF's and the static-cache engine) equals one-at-a-time greedy decoding,
+replies keep the target's exact text, an interrupted run resumes, and the output trains as
+--train-data."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -25,15 +27,16 @@ def run(tmp_path, *extra: str) -> list[dict]:
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
-def test_regenerated_replies_are_the_targets_greedy_replies(tmp_path, capfd):
-    records = run(tmp_path)
+@pytest.mark.parametrize("engine", ["fast", "hf"])
+def test_regenerated_replies_are_the_targets_greedy_replies(tmp_path, capfd, engine):
+    records = run(tmp_path, "--engine", engine)
     log = capfd.readouterr().err
     source = load_chat_jsonl(DEMO_HELDOUT_DATA)
     assert len(records) == len(source) == 64
     for record, messages in zip(records, source):
         assert record["messages"][:-1] == prompt_messages(messages)
         assert record["messages"][-1]["role"] == "assistant"
-    assert "64/64 generated" in log and "new tokens/s" in log
+    assert "64/64 generated" in log and "new tokens/s" in log and f"generating with {engine}_generate" in log
     tokenizer = load_tokenizer(str(DEMO_TARGET_DIR))
     model = AutoModelForCausalLM.from_pretrained(DEMO_TARGET_DIR, dtype=torch.float32).eval()
     lengths = [len(prompt_ids(tokenizer, m)) for m in source]
@@ -44,7 +47,9 @@ def test_regenerated_replies_are_the_targets_greedy_replies(tmp_path, capfd):
                                    pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:].tolist()
         if tokenizer.eos_token_id in alone:
             alone = alone[:alone.index(tokenizer.eos_token_id)]
-        assert records[i]["messages"][-1]["content"] == tokenizer.decode(alone, skip_special_tokens=True).strip(), i
+        assert records[i]["messages"][-1]["content"] == tokenizer.decode(alone, skip_special_tokens=True), i
+    assert any(r["messages"][-1]["content"] != r["messages"][-1]["content"].strip() for r in records), \
+        "the demo target's replies start or end with whitespace: a stripped file would differ"
 
 
 def test_an_interrupted_run_resumes_and_the_output_trains(tmp_path, capfd):
@@ -69,13 +74,28 @@ def test_bad_flags_get_one_line(tmp_path, capsys):
 
 def test_engine_choice_and_a_missing_vllm(tmp_path, capfd, monkeypatch):
     import dflash.regenerate as regen
-    from dflash.regenerate import RegenerateArgs, hf_generate, pick_engine
+    from dflash.regenerate import RegenerateArgs, fast_generate, hf_generate, pick_engine
 
     monkeypatch.setattr(regen, "vllm_available", lambda: False)
     args = RegenerateArgs(target=str(DEMO_TARGET_DIR), prompts=str(DEMO_HELDOUT_DATA), output=str(tmp_path / "o"))
-    assert pick_engine(args) is hf_generate  # auto falls back to HF generation
+    assert pick_engine(args) is fast_generate  # auto: the static-cache engine for a greedy Qwen3
+    args.sampling = "target"
+    assert pick_engine(args) is hf_generate  # sampling falls back to HF generation
     code = regenerate_main(["--target", str(DEMO_TARGET_DIR), "--prompts", str(DEMO_HELDOUT_DATA),
                             "--output", str(tmp_path / "o.jsonl"), "--engine", "vllm"])
     err = capfd.readouterr().err
     assert code == 2 and "--engine vllm: vllm is not installed" in err and "--engine hf" in err
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_prompt_only_conversations_regenerate_like_those_with_a_reply(tmp_path):
+    """Prompts are the natural input: a conversation ending in a user turn, or a bare
+    {"prompt": ...}, gets the same reply as the same conversation with an old reply."""
+    source = load_chat_jsonl(DEMO_HELDOUT_DATA)[:4]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": m[:-1]} if i % 2 else {"prompt": m[0]["content"]}) + "\n"
+                               for i, m in enumerate(source)))
+    with_replies = run(tmp_path, "--limit", "4")
+    (tmp_path / "from_prompts").mkdir()
+    prompt_only = run(tmp_path / "from_prompts", "--prompts", str(prompts))  # the later flag wins
+    assert prompt_only == with_replies and [r["messages"][:-1] for r in prompt_only] == [m[:-1] for m in source]

@@ -13,6 +13,7 @@ import transformers
 
 import dflash.speculative as speculative
 from conftest import run_trainer, tiny_args, write_chat_jsonl
+from dflash.static_target import FAST_FAMILIES, fast_decoding_supported
 from dflash.target import FrozenTarget, TargetError, default_target_layer_ids, load_target_config
 from tiny_tokenizer import make_tiny_tokenizer
 
@@ -31,6 +32,7 @@ FAMILIES = {  # family -> (config class, model class, extra config)
                       {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 2}),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
 }
+assert set(FAST_FAMILIES) <= {FAMILIES[f][0].removesuffix("Config").lower() for f in FAMILIES}
 PROMPT = [60, 2, 2, 2, 71, 30, 8, 1, 90, 12, 13]
 NEW_TOKENS = 32  # prompt + new tokens run far past the window
 
@@ -57,16 +59,24 @@ def test_speculative_decoding_equals_greedy(family, monkeypatch):
     full = PROMPT + greedy.tokens + [0] * block
     rng = random.Random(1)
 
-    def oracle(target_, drafter_, context, last_token, anchor):  # right, then wrong at a random slot
+    def oracle(session, last_token, anchor):  # right, then wrong at a random slot
         guess = list(full[anchor + 1: anchor + block])
         if rng.random() < 0.7:
             guess[rng.randrange(block - 1)] = (guess[0] + 1) % 90
         return torch.tensor(guess)
 
-    monkeypatch.setattr(speculative, "propose_block", oracle)
-    spec = speculative.speculative_decode(target, drafter, PROMPT, NEW_TOKENS, eos_ids=set())
-    assert spec.tokens == greedy.tokens
-    assert min(spec.accepted) < block - 1 < max(spec.accepted) + 1  # rejections and full accepts
+    monkeypatch.setattr(speculative.DraftSession, "propose", oracle)
+    kinds = ["plain", "fast"] if fast_decoding_supported(target) else ["plain"]
+    for kind in kinds:
+        spec = speculative.speculative_decode(target, drafter, PROMPT, NEW_TOKENS, eos_ids=set(), kind=kind)
+        assert spec.tokens == greedy.tokens, kind
+        assert min(spec.accepted) < block - 1 < max(spec.accepted) + 1  # rejections and full accepts
+    if "fast" in kinds:
+        assert speculative.greedy_decode(target, PROMPT, NEW_TOKENS, set(), kind="fast").tokens == reference
+    else:
+        assert speculative.resolve_decoder("auto", target) == "plain"
+        with pytest.raises(TargetError, match="use --decoder plain"):
+            speculative.greedy_decode(target, PROMPT, NEW_TOKENS, set(), kind="fast")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

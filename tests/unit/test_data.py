@@ -197,6 +197,35 @@ def test_bad_lines_name_file_and_line(tmp_path, lines, lineno, fragment):
     assert fragment in str(excinfo.value)
 
 
+def test_prompts_may_end_in_a_user_turn_but_training_data_may_not(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [
+        {"id": "c:0", **chat(("system", "s"), ("user", "a"))},  # extra keys are ignored
+        chat(("user", "a"), ("assistant", "b"), ("user", "c")),
+        {"prompt": "help me"},
+        {"prompt": "a", "response": ""},  # the reply is replaced, so it may be empty
+    ])
+    assert load_chat_jsonl(path, require_reply=False) == [
+        chat(("system", "s"), ("user", "a"))["messages"],
+        chat(("user", "a"), ("assistant", "b"), ("user", "c"))["messages"],
+        [{"role": "user", "content": "help me"}],
+        [{"role": "user", "content": "a"}, {"role": "assistant", "content": ""}],
+    ]
+    with pytest.raises(DataError, match=f"{path}:1: conversation has no assistant turn.*dflash.regenerate"):
+        load_chat_jsonl(path)
+
+
+@pytest.mark.parametrize(("line", "fragment"), [
+    (json.dumps(chat(("assistant", "x"))), "only assistant turns, so no prompt"),
+    ('{"prompt": 3}', "'prompt' must be a string"),
+    ('{"prompt": "a", "response": 3}', "'response' must be a string"),
+    ('{"response": "a"}', "'prompt' must be a string"),
+])
+def test_bad_prompt_lines_name_file_and_line(tmp_path, line, fragment):
+    path = write_jsonl(tmp_path / "d.jsonl", [GOOD, line])
+    with pytest.raises(DataError, match=f"{path}:2: .*{fragment}"):
+        load_chat_jsonl(path, require_reply=False)
+
+
 def test_invalid_utf8_names_line(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_bytes(GOOD.encode() + b"\n" + b'{"prompt": "\xff"}\n')

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dflash.eval import chain_walk, continuation, evaluate
+from dflash.speculative import Decoder
 
 
 def test_chain_walk_follows_decoding():
@@ -37,7 +38,8 @@ def test_teacher_forced_tau_equals_real_tau_on_the_demo_target():
     step = DrafterStep(drafter, target.embed_tokens, target.lm_head,
                        StepSettings(max_anchors=32, slot_weights=slot_weights(8, 4.0), attention_backend="sdpa"))
     prompts = [prompt_ids(tokenizer, m) for m in load_chat_jsonl(DEMO_HELDOUT_DATA)[:8]]
-    rows = [p + continuation(target, p, 48, set(), block_size=8)[0] for p in prompts]
+    decoder = Decoder(target, None, 512)
+    rows = [p + continuation(decoder, p, 48, set(), block_size=8)[0] for p in prompts]
     width = max(map(len, rows))
     input_ids = torch.full((len(rows), width), tokenizer.pad_token_id)
     loss_mask = torch.zeros((len(rows), width), dtype=torch.bool)
@@ -55,3 +57,24 @@ def test_teacher_forced_tau_equals_real_tau_on_the_demo_target():
     assert report.tau > 1.5 and report.acceptance[1] > 0, "cycles must accept several drafts for this to mean something"
     assert report.teacher_forced_tau == pytest.approx(report.tau, rel=0.02)
     assert abs(1 + report.teacher_forced_streak - report.tau) > abs(report.teacher_forced_tau - report.tau)
+
+
+def test_prompt_only_held_out_files_give_the_same_prompts(tmp_path):
+    """--eval-data, `python -m dflash.eval --prompts` and the periodic eval take conversations
+    that end in a user turn: only the prompt is used, so dropping the replies changes nothing."""
+    import json
+
+    from dflash.config import EVAL_FLAGS, check_eval_flags, parse_config
+    from dflash.data import load_chat_jsonl, load_tokenizer
+    from dflash.demo import DEMO_HELDOUT_DATA, DEMO_TARGET_DIR
+    from dflash.eval import load_prompts
+
+    prompt_only = tmp_path / "heldout.jsonl"
+    conversations = load_chat_jsonl(DEMO_HELDOUT_DATA)[:8]
+    prompt_only.write_text("".join(json.dumps({"messages": m[:-1]}) + "\n" for m in conversations))
+    tokenizer = load_tokenizer(DEMO_TARGET_DIR)
+    assert load_prompts(str(prompt_only), tokenizer, 8) == load_prompts(str(DEMO_HELDOUT_DATA), tokenizer, 8)
+    config = parse_config(["--target", str(DEMO_TARGET_DIR), "--train-data", str(DEMO_HELDOUT_DATA),
+                           "--eval-data", str(prompt_only), "--output-dir", str(tmp_path / "run")])
+    assert config.data.eval_data == str(prompt_only)
+    check_eval_flags(str(prompt_only), 8, 16, "float32", EVAL_FLAGS, min_prompts=1)

