@@ -195,13 +195,18 @@ def _check_prompt(messages: Messages, where: str) -> None:
 # Tokenization
 
 
+LOSS_TURNS = ("last", "all")
+
+
 def tokenize_conversation(
-    tokenizer: PreTrainedTokenizerBase, messages: Messages, max_chars: int | None = None
+    tokenizer: PreTrainedTokenizerBase, messages: Messages, max_chars: int | None = None, loss_turns: str = "last"
 ) -> tuple[np.ndarray, np.ndarray]:
     """Return (token ids int32, loss mask bool) of a conversation rendered by the chat template.
 
-    The mask is True on what each assistant turn produces: its content and its end-of-turn
-    token, never the role header. A turn's characters are found by rendering the conversation
+    The mask is True on what the last assistant turn produces (`loss_turns="all"`: every
+    assistant turn): its content and its end-of-turn token, never the role header. The last is
+    the default because regeneration replaces only the final reply: earlier replies of a
+    multi-turn prompt are the dataset's text, which the target never wrote. A turn's characters are found by rendering the conversation
     up to the turn with a generation prompt (span start) and including the turn (span end),
     both of which must be TEXT prefixes of the full render; the full render is tokenized once,
     and the tokens overlapping those characters are the turn's. Contents longer than
@@ -221,7 +226,7 @@ def tokenize_conversation(
     encoded = _encode_with_offsets(tokenizer, text)
     ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
     mask = np.zeros(len(ids), dtype=bool)
-    for turn in replies:
+    for turn in replies if loss_turns == "all" else replies[-1:]:
         start = _render_text(tokenizer, messages[:turn], add_generation_prompt=True)
         end = _render_text(tokenizer, messages[: turn + 1], add_generation_prompt=False)
         _check_text_prefix(start, end, turn, "the generation prompt", "the turn")
@@ -357,6 +362,7 @@ def prepare_dataset(
     on_bad_sample: str = "skip",
     max_bad_fraction: float = 0.01,
     workers: int = 0,
+    loss_turns: str = "last",
 ) -> Path:
     """Tokenize a chat JSONL file into a shard directory and return its path (`workers`
     processes; 0: `default_prepare_workers`).
@@ -374,6 +380,8 @@ def prepare_dataset(
         raise DataError(f"--on-bad-sample must be one of {list(BAD_SAMPLE_POLICIES)}, got {on_bad_sample!r}")
     if max_length < 1:
         raise DataError(f"--max-length must be a positive number of tokens, got {max_length}")
+    if loss_turns not in LOSS_TURNS:
+        raise DataError(f"--loss-turns must be one of {list(LOSS_TURNS)}, got {loss_turns!r}")
     _require_chat_template(tokenizer)
     source, out = Path(jsonl_path), Path(out_dir)
     settings = {
@@ -382,6 +390,7 @@ def prepare_dataset(
         "overflow": overflow,
         "on_bad_sample": on_bad_sample,
         "max_bad_fraction": max_bad_fraction,
+        "loss_turns": loss_turns,
         "source": _source_identity(source),
         "tokenizer": _tokenizer_identity(tokenizer),
     }
@@ -394,7 +403,7 @@ def prepare_dataset(
         workers = workers or default_prepare_workers(source)
         started = time.perf_counter()
         stats, lengths = _write_token_files(staging, source, tokenizer, max_length, overflow,
-                                            on_bad_sample, max_bad_fraction, workers)
+                                            on_bad_sample, max_bad_fraction, workers, loss_turns)
         seconds = time.perf_counter() - started
         logger.info("tokenized %d samples in %.1f s (%.0f samples/s, %d process%s)", stats.samples_read, seconds,
                     stats.samples_read / max(seconds, 1e-9), workers, "es" if workers > 1 else "")
@@ -458,13 +467,14 @@ def _write_token_files(
     on_bad_sample: str,
     max_bad_fraction: float,
     workers: int = 1,
+    loss_turns: str = "last",
 ) -> tuple[PrepareStats, list[int]]:
     """Stream every kept sample into ids.bin / loss_mask.bin; return stats and sample lengths.
     Lines are tokenized by `workers` processes (in file order, so the shard is the same)."""
     stats, lengths, bad = PrepareStats(), [], []
     progress = _Progress(source)
     with (staging / IDS_FILE).open("wb") as ids_file, (staging / LOSS_MASK_FILE).open("wb") as mask_file, \
-            _tokenized_lines(source, tokenizer, max_length * MAX_CHARS_PER_TOKEN, workers) as results:
+            _tokenized_lines(source, tokenizer, (max_length * MAX_CHARS_PER_TOKEN, loss_turns), workers) as results:
         for result in results:
             stats.samples_read += 1
             progress.update(stats.samples_read)
@@ -500,12 +510,13 @@ def _write_token_files(
     return stats, lengths
 
 
-def _tokenize_line(item: tuple[int, bytes], source: Path, tokenizer, max_chars: int):
-    """(ids, mask) of one line, or the SampleError naming it (file:line)."""
+def _tokenize_line(item: tuple[int, bytes], source: Path, tokenizer, options: tuple[int, str]):
+    """(ids, mask) of one line, or the SampleError naming it (file:line); options: (max_chars,
+    loss_turns) of tokenize_conversation."""
     lineno, raw = item
     where = f"{source}:{lineno}"
     try:
-        return tokenize_conversation(tokenizer, parse_line(raw, where), max_chars)
+        return tokenize_conversation(tokenizer, parse_line(raw, where), *options)
     except SampleError as err:
         message = str(err) if str(err).startswith(where) else f"{where}: {err}"
         return SampleError(message, err.reason)
@@ -514,9 +525,9 @@ def _tokenize_line(item: tuple[int, bytes], source: Path, tokenizer, max_chars: 
 _worker_args: tuple = ()
 
 
-def _init_worker(source: Path, tokenizer, max_chars: int) -> None:
+def _init_worker(source: Path, tokenizer, options: tuple[int, str]) -> None:
     global _worker_args
-    _worker_args = (source, tokenizer, max_chars)
+    _worker_args = (source, tokenizer, options)
 
 
 def _tokenize_in_worker(item: tuple[int, bytes]):
@@ -524,14 +535,14 @@ def _tokenize_in_worker(item: tuple[int, bytes]):
 
 
 @contextlib.contextmanager
-def _tokenized_lines(source: Path, tokenizer, max_chars: int, workers: int):
+def _tokenized_lines(source: Path, tokenizer, options: tuple[int, str], workers: int):
     """Every line's tokenization result, in file order, from this process or a pool. Spawned
     (not forked) workers: the parent may hold threads (tokenizers, process groups)."""
     if workers <= 1:
-        yield (_tokenize_line(item, source, tokenizer, max_chars) for item in _iter_lines(source))
+        yield (_tokenize_line(item, source, tokenizer, options) for item in _iter_lines(source))
         return
     context = multiprocessing.get_context("spawn")
-    with context.Pool(workers, initializer=_init_worker, initargs=(source, tokenizer, max_chars)) as pool:
+    with context.Pool(workers, initializer=_init_worker, initargs=(source, tokenizer, options)) as pool:
         yield pool.imap(_tokenize_in_worker, _iter_lines(source), chunksize=64)
 
 

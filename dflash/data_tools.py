@@ -36,7 +36,7 @@ def prepare_train_shard(config: RunConfig, tokenizer) -> Path:
     d = config.data
     return prepare_dataset(d.train_data, tokenizer, train_shard_dir(config), max_length=d.max_length,
                            overflow=d.overflow, on_bad_sample=d.on_bad_sample, max_bad_fraction=d.max_bad_fraction,
-                           workers=d.prepare_workers)
+                           workers=d.prepare_workers, loss_turns=d.loss_turns)
 
 
 def stats_report(config: RunConfig, dataset: TokenDataset) -> str:

@@ -76,13 +76,24 @@ def test_loss_mask_covers_reply_and_end_token_only(tokenizer):
     assert tokenizer.convert_tokens_to_ids(IM_START) not in ids[mask]
 
 
-def test_every_assistant_turn_is_masked(tokenizer):
+def test_the_last_assistant_turn_is_masked_or_every_one(tokenizer):
+    """Regeneration rewrites only the final reply: by default earlier replies stay out of the loss."""
     messages = SAMPLES[2]["messages"]
     ids, mask = tokenize_conversation(tokenizer, messages)
-
-    runs = [tokenizer.decode(run) for run in masked_runs(ids, mask)]
+    assert [tokenizer.decode(run) for run in masked_runs(ids, mask)] == ["The dog sat." + IM_END]
+    ids_all, mask_all = tokenize_conversation(tokenizer, messages, loss_turns="all")
+    assert np.array_equal(ids_all, ids)
+    runs = [tokenizer.decode(run) for run in masked_runs(ids_all, mask_all)]
     assert runs == ["Hello" + IM_END, "The dog sat." + IM_END]
-    assert "how are you" in tokenizer.decode(ids[~mask])
+    assert "how are you" in tokenizer.decode(ids_all[~mask_all])
+
+
+def test_a_changed_loss_turns_flag_prepares_the_shard_again(tokenizer, tmp_path):
+    path = tmp_path / "multi.jsonl"
+    path.write_text(json.dumps(SAMPLES[2]) + "\n")
+    last = TokenDataset(prepare_dataset(path, tokenizer, tmp_path / "shard", max_length=64))
+    every = TokenDataset(prepare_dataset(path, tokenizer, tmp_path / "shard", max_length=64, loss_turns="all"))
+    assert int(every.manifest["stats"]["num_loss_tokens"]) > int(last.manifest["stats"]["num_loss_tokens"])
 
 
 def test_turns_after_last_reply_are_dropped(tokenizer):
