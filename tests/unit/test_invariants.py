@@ -90,6 +90,25 @@ def test_no_leakage_between_blocks():
                 torch.testing.assert_close(out[other], base[other], rtol=0, atol=1e-12)
 
 
+def test_slots_see_each_other_both_ways_inside_a_block():
+    """Bidirectional inside the block: an early slot's output depends on a later slot's input
+    (a causal block mask, a bug seen in public trainers, would leave it untouched)."""
+    target, step = make_step()
+    ids, loss_mask = sequence()
+    features = target.features(ids).features
+    blocks = step.make_blocks(ids, loss_mask, fixed_layout())
+    base = step.lm_head(step.hidden(blocks, features)).view(len(ANCHORS), BLOCK, -1)
+    embeds = target.embed_tokens(blocks.input_ids)
+    poked = embeds.clone().view(1, len(ANCHORS), BLOCK, -1)
+    poked[0, 1, BLOCK - 1] += 1.0  # the last slot's input of block 1
+    context_positions = torch.arange(SEQ)[None]
+    mask = dense_block_mask(blocks.layout)
+    hidden = step.forward(poked.view(1, -1, embeds.shape[-1]), blocks.positions, features, context_positions, mask)
+    out = step.lm_head(hidden).view(len(ANCHORS), BLOCK, -1)
+    assert (out[1, 1] - base[1, 1]).abs().max() > 1e-3, "slot 1 must see slot B-1 of its block"
+    torch.testing.assert_close(out[0], base[0], rtol=0, atol=1e-12)
+
+
 def test_labels_are_the_next_tokens_of_the_response_only():
     ids, loss_mask = sequence()
     layout = fixed_layout([9, 20, 38])  # 9: slot 0 is prompt; 38: slots run past the end
