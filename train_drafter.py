@@ -14,18 +14,42 @@ import faulthandler
 import logging
 import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 
-from dflash.checkpoint import CheckpointError
-from dflash.config import ConfigError, parse_config
+from dflash.checkpoint import CheckpointError, latest_checkpoint
+from dflash.config import ConfigError, RunConfig, parse_config
 from dflash.data import DataError
 from dflash.files import StorageError
+from dflash.spike import SkippedStepsError
 from dflash.target import TargetError
 from dflash.topology import TopologyError
 
 logger = logging.getLogger("train_drafter")
-USER_ERRORS = (ConfigError, DataError, TargetError, TopologyError, CheckpointError, StorageError)
+USER_ERRORS = (ConfigError, DataError, TargetError, TopologyError, CheckpointError, StorageError, SkippedStepsError)
+INTERRUPTED = threading.Event()  # set by on_sigint
+EXIT_INTERRUPTED = 130  # what a shell reports for a command ended by Ctrl-C
+
+
+def on_sigint(signum, frame) -> None:
+    """Ctrl-C: KeyboardInterrupt, as Python's default handler raises, but once: a launcher forwards
+    the signal again, and the second must not cut the wind-down short. A rank blocked in a
+    collective may see the error of a peer that left first; INTERRUPTED tells that apart."""
+    if not INTERRUPTED.is_set():
+        INTERRUPTED.set()
+        raise KeyboardInterrupt
+
+
+def interrupted_line(config: RunConfig, err: BaseException) -> str:
+    """Where an interrupted run stands and how to continue it, in one line."""
+    step = getattr(err, "step", None)
+    at = f"interrupted at step {step}" if step is not None else "interrupted"
+    newest = latest_checkpoint(config.train.output_dir)
+    if newest is None:
+        return (f"{at}; no checkpoint was saved (pass --save-every N to keep one every N steps): start again "
+                "with the same command plus --overwrite")
+    return f"{at}; the newest checkpoint is {newest}: resume with the same command plus --resume"
 
 
 def final_evaluation(config, result, device) -> None:
@@ -51,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    from dflash.distributed import abandon, init_distributed, shutdown
+    from dflash.distributed import abandon, exit_now, init_distributed, shutdown
     from dflash.train import train
 
     ranks = init_distributed(config.train.device, config.train.dist_timeout_minutes)
@@ -63,15 +87,25 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("%s", err)
         abandon(2)
         return 2
-    except BaseException:
+    except BaseException as err:
+        if isinstance(err, KeyboardInterrupt) or INTERRUPTED.is_set():
+            if ranks.is_main:
+                logger.warning("%s", interrupted_line(config, err))
+            abandon(EXIT_INTERRUPTED)
+            exit_now(EXIT_INTERRUPTED)
         # said before the teardown: with a dead peer, tearing NCCL down may never return
         traceback.print_exc()
         abandon(1)
         return 1
+    if not result.targets_finished:  # a stalled target would never reach the final barrier
+        abandon(0)
+        exit_now(0)
     shutdown()
     return 0
 
 
 if __name__ == "__main__":
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where the shell ignores it
+        signal.signal(signal.SIGINT, on_sigint)
     sys.exit(main())

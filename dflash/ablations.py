@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import HfArgumentParser
 
+from dflash.cli import cli_parser
 from dflash.config import REPO_ROOT
 
 # Every run starts from these flags, so the table stays one baseline as defaults move: the
@@ -98,7 +98,7 @@ def table(results: dict[str, list[tuple[str, list[float]]]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    (args,) = HfArgumentParser(AblationArgs).parse_args_into_dataclasses(argv)
+    (args,) = cli_parser(AblationArgs).parse_args_into_dataclasses(argv)
     out, seeds = Path(args.out), [int(s) for s in args.seeds.split(",")]
     names = [g.strip() for g in args.groups.split(",") if g.strip()] or list(GROUPS)
     unknown = [n for n in names if n not in GROUPS]

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, HfArgumentParser, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
+from dflash.cli import cli_parser
 from dflash.demo import DEMO_TARGET_DIR, DEMO_TRAIN_DATA
 
 
@@ -77,7 +78,7 @@ def write_chats(args: AssetArgs, path: Path) -> list[int]:
 
 
 def main() -> None:
-    (args,) = HfArgumentParser(AssetArgs).parse_args_into_dataclasses()
+    (args,) = cli_parser(AssetArgs).parse_args_into_dataclasses()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lengths = write_chats(args, out / "train.jsonl")

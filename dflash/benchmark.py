@@ -24,8 +24,9 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
-from transformers import HfArgumentParser, Qwen3Config
+from transformers import Qwen3Config
 
+from dflash.cli import cli_parser
 from dflash.drafter_step import DrafterStep, StepSettings
 from dflash.flops import CostShapes, drafter_flops, measured_peak_tflops, spec_peak_tflops
 from dflash.memory import (WORKSPACE_BYTES, MemoryShapes, bytes_per_context_token, bytes_per_draft_position,
@@ -180,7 +181,7 @@ def memory_sweep(bench: Bench) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    (args,) = HfArgumentParser(BenchArgs).parse_args_into_dataclasses(argv)
+    (args,) = cli_parser(BenchArgs).parse_args_into_dataclasses(argv)
     bench = Bench(args)
     result = {"config": asdict(args), "torch": torch.__version__, "device": torch.cuda.get_device_name()}
     if args.memory_sweep:

@@ -12,6 +12,8 @@ every file and marks this rank done; drafter rank 0's writer waits for every ran
 writes trainer_state.json, renames the folder to step_<N> and keeps the newest --keep-checkpoints.
 At most one save is in flight: the next one (or the end of the run) waits for it, and raises
 its error there. Target ranks hold no training state and take no part.
+--resume takes the newest step_<N> that is intact (checkpoint_problem): newer ones whose files
+were cut short afterwards (a full disk, an interrupted copy) are named and skipped.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import logging
 import shutil
 import threading
 import time
+import zipfile
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -128,6 +131,8 @@ class Checkpointer:
         engine.checkpoint_engine = self._snapshots
         self._writer: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._commit_lock = threading.Lock()
+        self._cancelled = False
         self.pauses_s: list[float] = []  # how long each save held the step loop
 
     def maybe_save(self, step: int, trainer_state: dict) -> None:
@@ -162,6 +167,12 @@ class Checkpointer:
         if self._error is not None:
             error, self._error = self._error, None
             raise CheckpointError(str(error)) from error
+
+    def cancel(self) -> None:
+        """No save commits once this returns (one committing now finishes first): an interrupted
+        run names its newest checkpoint, and that must stay the newest."""
+        with self._commit_lock:
+            self._cancelled = True
 
     def _weights_finite(self) -> bool:
         params = list(self.engine.module.parameters())
@@ -201,9 +212,12 @@ class Checkpointer:
             time.sleep(0.05)
         for mark in marks:
             mark.unlink()
-        write_text_durably(staging / STATE_FILE, json.dumps(trainer_state, indent=2) + "\n")
         final = self.root / f"step_{step}"
-        replace_dir(staging, final)
+        with self._commit_lock:
+            if self._cancelled:
+                return
+            write_text_durably(staging / STATE_FILE, json.dumps(trainer_state, indent=2) + "\n")
+            replace_dir(staging, final)
         logger.info("checkpoint %s saved", final)
         for old in _complete_checkpoints(self.root)[:-self.keep]:
             shutil.rmtree(old, ignore_errors=True)
@@ -221,10 +235,38 @@ def _complete_checkpoints(root: Path) -> list[Path]:
     return sorted(complete, key=lambda p: int(p.name.removeprefix("step_")))
 
 
+def checkpoint_problem(path: Path) -> str | None:
+    """What makes the complete checkpoint at `path` unusable (a file cut short by a full disk or an
+    interrupted copy), or None. Cheap: torch.save writes a zip whose directory comes last, so a
+    truncated .pt file has none; the weights themselves are not read."""
+    try:
+        json.loads((path / STATE_FILE).read_text())
+    except (OSError, ValueError) as err:
+        return f"{STATE_FILE} is truncated or corrupt ({err})"
+    for file in sorted(path.glob("*.pt")):
+        try:
+            with zipfile.ZipFile(file):
+                pass
+        except (OSError, zipfile.BadZipFile) as err:
+            return f"{file.name} is truncated or corrupt ({err})"
+    return None
+
+
+def newest_intact_checkpoint(output_dir: str | Path) -> tuple[Path | None, list[str]]:
+    """The newest complete checkpoint without a checkpoint_problem (or None), and what is wrong with
+    each newer one ("step_8: ...")."""
+    skipped = []
+    for path in reversed(_complete_checkpoints(checkpoint_dir(output_dir))):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path, skipped
+        skipped.append(f"{path.name}: {problem}")
+    return None, skipped
+
+
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The newest COMPLETE step directory, or None."""
-    complete = _complete_checkpoints(checkpoint_dir(output_dir))
-    return complete[-1] if complete else None
+    """The newest COMPLETE and intact step directory, or None."""
+    return newest_intact_checkpoint(output_dir)[0]
 
 
 def saved_batching(path: Path) -> dict:

@@ -18,7 +18,9 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import HfArgumentParser, Qwen3Config
+from transformers import Qwen3Config
+
+from dflash.cli import cli_parser
 
 
 @dataclass
@@ -56,7 +58,7 @@ def build_engine(args: CheckpointBenchArgs):
 
 
 def main() -> None:
-    (args,) = HfArgumentParser(CheckpointBenchArgs).parse_args_into_dataclasses()
+    (args,) = cli_parser(CheckpointBenchArgs).parse_args_into_dataclasses()
     if args.device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed

@@ -6,15 +6,21 @@ is given (the shipped demo target and data, sized to finish in minutes on a lapt
 
 from __future__ import annotations
 
+import difflib
+import json
 import math
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+import torch
+import yaml
 from transformers import HfArgumentParser
 
+from dflash.cli import cli_parser
 from dflash.data import load_chat_jsonl
 from dflash.demo import DEMO_HELDOUT_DATA, DEMO_TARGET_DIR, DEMO_TRAIN_DATA
+from dflash.files import output_dir_problem
 from dflash.gguf_target import is_model_path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -120,16 +126,46 @@ def parse_config(argv: list[str] | None = None, for_training: bool = True) -> Ru
     """Flags, or a single .json/.yaml file holding the same names. `for_training=False`
     (the data tools) leaves out the checks about an earlier run in --output-dir."""
     argv = _without_launcher_flags(sys.argv[1:] if argv is None else argv)
-    parser = HfArgumentParser((ModelArgs, DataArgs, TrainArgs))
+    parser = cli_parser((ModelArgs, DataArgs, TrainArgs))
     if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
-        loader = parser.parse_json_file if argv[0].endswith(".json") else parser.parse_yaml_file
-        model, data, train = loader(argv[0])
-    else:
-        model, data, train = parser.parse_args_into_dataclasses(argv)
+        argv = flags_from_file(argv[0], parser)
+    model, data, train = parser.parse_args_into_dataclasses(argv)
     config = RunConfig(model, data, train)
     fill_defaults(config)
     validate(config, for_training)
     return config
+
+
+def flags_from_file(path: str, parser: HfArgumentParser) -> list[str]:
+    """A .json/.yaml file's keys and values as the flags they name (`max_steps: 10` or `max-steps: 10`
+    -> `--max-steps=10`), so that they are typed and checked as on the command line; null keeps
+    the default. Unknown keys are an error naming each with the closest flag."""
+    kind = "JSON" if path.endswith(".json") else "YAML"
+    try:
+        text = Path(path).read_text()
+        values = json.loads(text) if kind == "JSON" else yaml.safe_load(text)
+    except (OSError, ValueError, yaml.YAMLError) as err:
+        raise ConfigError(f"{path}: cannot read it as {kind} ({err})") from err
+    _require(isinstance(values, dict), f"{path}: expected a mapping of flag names to values, such as `max_steps: 100`")
+    names = [f.name for dtype in parser.dataclass_types for f in fields(dtype)]
+
+    def named(key: str) -> str:
+        close = difflib.get_close_matches(key.replace("-", "_"), names, n=1)
+        if not close:
+            return f"'{key}'"
+        return f"'{key}' (did you mean '{close[0].replace('_', '-') if '-' in key else close[0]}'?)"
+
+    unknown = [named(str(key)) for key in values if str(key).replace("-", "_") not in names]
+    _require(not unknown, f"{path}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; the keys "
+             "are the flags of `python train_drafter.py --help` without their leading --")
+    argv = []
+    for key, value in values.items():
+        flag = f"--{str(key).replace('_', '-')}"
+        if isinstance(value, list):
+            argv += [flag, *map(str, value)]
+        elif value is not None:
+            argv.append(f"{flag}={value}")
+    return argv
 
 
 def _without_launcher_flags(argv: list[str]) -> list[str]:
@@ -245,6 +281,22 @@ def check_no_ignored_flags(t: TrainArgs) -> None:
                  f"--{name.replace('_', '-')} {getattr(t, name)}: only {by} uses it; add that or leave it out")
 
 
+def check_deepspeed_config(path: str) -> None:
+    """A JSON object whose ZeRO stage keeps the drafter's weights whole on every rank. Stage 3
+    partitions the weights themselves: the run would train and export empty tensors."""
+    try:
+        ds = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"--deepspeed-config {path}: cannot read it as JSON ({err})") from err
+    _require(isinstance(ds, dict), f"--deepspeed-config {path}: expected a JSON object of DeepSpeed settings")
+    zero = ds.get("zero_optimization") or {}
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0  # DeepSpeed names a malformed section itself
+    _require(stage in (0, 1, 2),
+             f"--deepspeed-config {path}: zero_optimization.stage {stage!r} is not supported; use stage 1 or 2 "
+             "(ds_configs/zero1.json, ds_configs/zero2.json). The drafter is small: what ZeRO shards here is its "
+             "optimizer state (stage 1) and gradients (stage 2), while every rank keeps the whole drafter")
+
+
 def validate(config: RunConfig, for_training: bool = True) -> None:
     """Checks that need no model or data: they fail in a second, not after loading."""
     m, d, t = config.model, config.data, config.train
@@ -284,6 +336,11 @@ def validate(config: RunConfig, for_training: bool = True) -> None:
     _require(t.report_to in ("wandb", "none"), f"--report-to {t.report_to}: use wandb or none")
     _require(t.kl_weight >= 0 and t.feature_noise_std >= 0, "--kl-weight and --feature-noise-std must be >= 0")
     _require(t.device in ("auto", "cpu", "cuda"), f"--device {t.device}: use auto, cpu or cuda")
+    if t.deepspeed_config is not None:
+        check_deepspeed_config(t.deepspeed_config)
+    _require(t.device != "cuda" or torch.cuda.is_available(),
+             "--device cuda: no CUDA device is visible on this machine; use --device cpu (or auto), or check "
+             "CUDA_VISIBLE_DEVICES and the driver (nvidia-smi)")
     _require(t.precision in ("auto", "bf16", "fp32"), f"--precision {t.precision}: use auto, bf16 or fp32")
     _require(math.isfinite(t.lr) and t.lr > 0, f"--lr {t.lr}: use a positive learning rate (recipe 6e-4)")
     _require(0 <= t.warmup_ratio < 1, f"--warmup-ratio {t.warmup_ratio}: use a fraction in [0, 1)")
@@ -304,3 +361,5 @@ def validate(config: RunConfig, for_training: bool = True) -> None:
     _require(not earlier or t.resume or t.overwrite,
              f"--output-dir {t.output_dir} holds an earlier run ({', '.join(earlier)}): pass --resume to continue it, "
              "--overwrite to start afresh there, or another --output-dir")
+    problem = output_dir_problem(Path(t.output_dir))
+    _require(problem is None, f"--output-dir {t.output_dir} {problem}: pass a folder you can write to")

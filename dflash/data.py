@@ -1,8 +1,9 @@
 """Chat data -> tokenized shards -> padded batches (dflash/sampler.py picks the indices).
 
 Pipeline:
-  load_chat_jsonl      JSONL conversations, validated with file:line errors (prompt-only ones
-                       too, for regeneration and evaluation: require_reply=False)
+  load_chat_jsonl      JSONL conversations (gzip too), each record read by dflash/chat_formats.py,
+                       validated with file:line errors (prompt-only ones too, for regeneration
+                       and evaluation: require_reply=False)
   load_tokenizer       a tokenizer folder (or a GGUF file's tokenizer) with a chat template
   tokenize_conversation  chat-template token ids + loss mask on assistant tokens
   prepare_dataset      writes a memmap shard directory (reused when up to date)
@@ -13,6 +14,7 @@ Pipeline:
 from __future__ import annotations
 
 import contextlib
+import gzip
 import hashlib
 import json
 import logging
@@ -20,6 +22,7 @@ import multiprocessing
 import os
 import shutil
 import time
+import zlib
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,6 +32,8 @@ import jinja2
 import numpy as np
 import torch
 
+# DataError and SampleError are the errors of the whole data path, imported from here too.
+from dflash.chat_formats import DataError, Messages, SampleError, parse_record
 from dflash.files import replace_dir, staging_dir
 
 if TYPE_CHECKING:
@@ -37,7 +42,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-ROLES = ("system", "user", "assistant", "tool")
 OVERFLOW_POLICIES = ("truncate", "drop")
 BAD_SAMPLE_POLICIES = ("skip", "error")
 BAD_SAMPLES_FILE = "bad_samples.txt"
@@ -47,6 +51,7 @@ BAD_SAMPLES_FILE = "bad_samples.txt"
 MAX_CHARS_PER_TOKEN = 64
 PARALLEL_FROM_BYTES = 8 * 2**20  # smaller files are tokenized in one process
 PROGRESS_EVERY_S = 10.0
+GZIP_MAGIC = b"\x1f\x8b"
 
 MANIFEST = "manifest.json"
 IDS_FILE = "ids.bin"
@@ -54,50 +59,40 @@ LOSS_MASK_FILE = "loss_mask.bin"
 OFFSETS_FILE = "offsets.npy"
 LENGTHS_FILE = "lengths.npy"
 
-Messages = list[dict[str, str]]
-
-
-class DataError(ValueError):
-    """Bad input data or settings; the message says what, where and what to do."""
-
-
-class SampleError(DataError):
-    """One bad sample (line): skipped and counted under --on-bad-sample skip."""
-
-    def __init__(self, message: str, reason: str) -> None:
-        super().__init__(message)
-        self.reason = reason  # a short category, for the counts
-
-    def __reduce__(self):  # travels back from tokenizer worker processes
-        return SampleError, (str(self), self.reason)
-
 
 # ---------------------------------------------------------------------------
 # JSONL loading
 
 
 def load_chat_jsonl(path: str | Path, require_reply: bool = True) -> list[Messages]:
-    """Read every conversation of a chat JSONL file as a list of role/content messages; the
-    first bad line raises a DataError naming it. Training needs an assistant reply in each;
-    prompts (regeneration, evaluation: require_reply=False) may end in a user turn or be
-    `{"prompt": ...}` alone, since only what precedes the final reply is used."""
+    """Read every conversation of a chat JSONL file (plain or gzip) as a list of messages (the
+    formats: dflash/chat_formats.py); the first bad line raises a DataError naming it. Training
+    needs an assistant reply in each; prompts (regeneration, evaluation: require_reply=False) may
+    end in a user turn or be `{"prompt": ...}` alone, since only what precedes the final reply is used."""
     path = Path(path)
     return [parse_line(raw, f"{path}:{lineno}", require_reply) for lineno, raw in _iter_lines(path)]
 
 
 def _iter_lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    """Yield (line number, raw bytes) for each non-blank line."""
+    """Yield (line number, raw bytes) for each non-blank line, decompressing a gzip file (told
+    by its first bytes, not its name: `dflash.regenerate --output x.jsonl.gz` writes plain text)."""
     try:
-        handle = path.open("rb")
+        with path.open("rb") as probe:
+            compressed = probe.read(len(GZIP_MAGIC)) == GZIP_MAGIC
+        handle = gzip.open(path, "rb") if compressed else path.open("rb")
     except OSError as err:
         raise DataError(f"{path}: cannot open the data file ({err}); check the path") from err
-    found = False
+    found, lineno = False, 0
     with handle:
-        for lineno, raw in enumerate(handle, start=1):
-            if not raw.strip():
-                continue
-            found = True
-            yield lineno, raw
+        try:
+            for lineno, raw in enumerate(handle, start=1):
+                if not raw.strip():
+                    continue
+                found = True
+                yield lineno, raw
+        except (OSError, EOFError, zlib.error) as err:  # gzip's: BadGzipFile (an OSError), EOFError, zlib.error
+            raise DataError(f"{path}: cannot read past line {lineno} ({err}); the file is corrupt or cut "
+                            "short: copy it again") from err
     if not found:
         raise DataError(f"{path}: no conversations (the file is empty or only blank lines); "
                         "pass a JSONL file with one conversation per line")
@@ -105,7 +100,7 @@ def _iter_lines(path: Path) -> Iterator[tuple[int, bytes]]:
 
 def parse_line(raw: bytes, where: str, require_reply: bool = True) -> Messages:
     """One JSONL line -> messages; raises SampleError naming `where`."""
-    return _parse_record(_parse_json(_decode_line(raw, where), where), where, require_reply)
+    return parse_record(_parse_json(_decode_line(raw, where), where), where, require_reply)
 
 
 def _decode_line(raw: bytes, where: str) -> str:
@@ -124,73 +119,6 @@ def _parse_json(line: str, where: str) -> Any:
                           "each line must be one JSON object", "malformed JSON") from err
 
 
-def _parse_record(record: Any, where: str, require_reply: bool) -> Messages:
-    """Turn one JSON line into messages, accepting the `messages` or `prompt`/`response` form."""
-    if not isinstance(record, dict):
-        raise SampleError(f"{where}: expected a JSON object, got {type(record).__name__}", "not a conversation")
-    has_messages = "messages" in record
-    has_pair = "prompt" in record or "response" in record
-    if has_messages == has_pair:
-        raise SampleError(f"{where}: expected either a 'messages' list or 'prompt' and 'response' "
-                          f"strings, got keys {sorted(record)}", "not a conversation")
-    if has_messages:
-        messages = _parse_messages(record["messages"], where)
-    else:
-        messages = [{"role": "user", "content": _string_field(record, "prompt", where)}]
-        if require_reply or "response" in record:
-            messages.append({"role": "assistant", "content": _string_field(record, "response", where)})
-    if require_reply:
-        _check_assistant_replies(messages, where)
-    else:
-        _check_prompt(messages, where)
-    return messages
-
-
-def _string_field(record: dict, key: str, where: str) -> str:
-    """Return record[key], which must be a string."""
-    value = record.get(key)
-    if not isinstance(value, str):
-        raise SampleError(f"{where}: '{key}' must be a string, got {type(value).__name__}", "wrong type")
-    return value
-
-
-def _parse_messages(raw: Any, where: str) -> Messages:
-    """Validate a messages list, keeping only role and content (extra keys are ignored)."""
-    if not isinstance(raw, list) or not raw:
-        raise SampleError(f"{where}: 'messages' must be a non-empty list of "
-                          "{'role': ..., 'content': ...} objects", "empty conversation")
-    messages = []
-    for turn, message in enumerate(raw):
-        turn_where = f"{where}: messages[{turn}]"
-        if not isinstance(message, dict):
-            raise SampleError(f"{turn_where} must be an object, got {type(message).__name__}", "wrong type")
-        role = _string_field(message, "role", turn_where)
-        if role not in ROLES:
-            raise SampleError(f"{turn_where}: unknown role {role!r}; expected one of {list(ROLES)}", "unknown role")
-        messages.append({"role": role, "content": _string_field(message, "content", turn_where)})
-    return messages
-
-
-def _check_assistant_replies(messages: Messages, where: str) -> None:
-    """A conversation must train on something: at least one non-empty assistant turn."""
-    replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    if not replies:
-        raise SampleError(f"{where}: conversation has no assistant turn, so nothing to train on; add an "
-                          "assistant reply (python -m dflash.regenerate writes the target's) or remove the line",
-                          "no assistant turn")
-    for turn in replies:
-        if not messages[turn]["content"].strip():
-            raise SampleError(f"{where}: assistant turn messages[{turn}] has empty content; "
-                              "fill it in or remove the line", "empty assistant turn")
-
-
-def _check_prompt(messages: Messages, where: str) -> None:
-    """A prompt needs a turn before its final reply for the model to answer (see prompt_messages)."""
-    if all(m["role"] == "assistant" for m in messages):
-        raise SampleError(f"{where}: conversation has only assistant turns, so no prompt to answer; "
-                          "add a user turn or remove the line", "no prompt")
-
-
 # ---------------------------------------------------------------------------
 # Tokenization
 
@@ -204,9 +132,10 @@ def tokenize_conversation(
     """Return (token ids int32, loss mask bool) of a conversation rendered by the chat template.
 
     The mask is True on what the last assistant turn produces (`loss_turns="all"`: every
-    assistant turn): its content and its end-of-turn token, never the role header. The last is
-    the default because regeneration replaces only the final reply: earlier replies of a
-    multi-turn prompt are the dataset's text, which the target never wrote. A turn's characters are found by rendering the conversation
+    assistant turn): its content, the tool calls the template renders in it, and its end-of-turn
+    token, never the role header. The last is the default because regeneration replaces only the
+    final reply: earlier replies of a multi-turn prompt are the dataset's text, which the target
+    never wrote. A turn's characters are found by rendering the conversation
     up to the turn with a generation prompt (span start) and including the turn (span end),
     both of which must be TEXT prefixes of the full render; the full render is tokenized once,
     and the tokens overlapping those characters are the turn's. Contents longer than
@@ -231,9 +160,14 @@ def tokenize_conversation(
         end = _render_text(tokenizer, messages[: turn + 1], add_generation_prompt=False)
         _check_text_prefix(start, end, turn, "the generation prompt", "the turn")
         _check_text_prefix(end, text, turn, "the turn", "the whole conversation")
+        _check_tool_calls_rendered(messages[turn], end[len(start):], turn)
         first, last = _token_span(offsets, len(start), len(end))
         mask[first:_reply_end(tokenizer, ids, first, last)] = True
     return np.asarray(ids, dtype=np.int32), mask
+
+
+# Any one of these makes a folder a tokenizer that transformers can load.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def load_tokenizer(name_or_path: str | Path) -> PreTrainedTokenizerBase:
@@ -243,6 +177,9 @@ def load_tokenizer(name_or_path: str | Path) -> PreTrainedTokenizerBase:
     from dflash.gguf_target import from_pretrained_args  # imports transformers too
 
     name, kwargs = from_pretrained_args(name_or_path)
+    if not kwargs and Path(name).is_dir() and not any((Path(name) / f).exists() for f in TOKENIZER_FILES):
+        raise DataError(f"--tokenizer {name_or_path} (default: --target): the folder holds no tokenizer files "
+                        f"({', '.join(TOKENIZER_FILES)}); copy the model's tokenizer into it, or pass --tokenizer")
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as err:
@@ -308,6 +245,16 @@ def _check_text_prefix(prefix: str, full: str, turn: int, prefix_name: str, full
                           f"({prefix_name} does not render as a prefix of {full_name}), so the "
                           "assistant tokens cannot be located; pass a --tokenizer whose template "
                           "renders earlier turns unchanged", "template not prefix-stable")
+
+
+def _check_tool_calls_rendered(message: dict[str, Any], turn_text: str, turn: int) -> None:
+    """A template that ignores tool_calls would train the reply without its calls: refuse it."""
+    for call in message.get("tool_calls", ()):
+        name = call["function"]["name"]
+        if name not in turn_text:
+            raise SampleError(f"assistant turn messages[{turn}]: the chat template does not render its tool call "
+                              f"{name!r}, so the turn would train without it; pass a --tokenizer whose template "
+                              "renders tool_calls, or drop them from the data", "tool calls not rendered")
 
 
 def _token_span(offsets: list[tuple[int, int]], start: int, end: int) -> tuple[int, int]:
@@ -504,10 +451,17 @@ def _write_token_files(
     _report_bad_samples(staging, source, stats, bad, max_bad_fraction)
     _log_overflow(stats, max_length, overflow)
     if not stats.samples_kept:
-        raise DataError(f"{source}: all {stats.samples_read} samples were dropped (longer than "
-                        f"--max-length={max_length} or no assistant token within it); raise "
-                        "--max-length or use --overflow truncate")
+        raise DataError(_nothing_kept_message(source, stats, max_length, overflow))
     return stats, lengths
+
+
+def _nothing_kept_message(source: Path, stats: PrepareStats, max_length: int, overflow: str) -> str:
+    """Why no sample is left when some were dropped at --max-length (all bad: _report_bad_samples)."""
+    why = ("longer than it under --overflow drop; raise --max-length or use --overflow truncate" if overflow == "drop"
+           else "no assistant token within it; raise --max-length")
+    bad = f", and the other {stats.samples_bad} are bad ({_reason_counts(stats)})" if stats.samples_bad else ""
+    return (f"{source}: no sample left to train on: {stats.samples_dropped} of {stats.samples_read} were dropped at "
+            f"--max-length={max_length} ({why}){bad}")
 
 
 def _tokenize_line(item: tuple[int, bytes], source: Path, tokenizer, options: tuple[int, str]):
@@ -576,13 +530,19 @@ def _report_bad_samples(staging: Path, source: Path, stats: PrepareStats, bad: l
     if not bad:
         return
     (staging / BAD_SAMPLES_FILE).write_text("".join(f"{reason}: {message}\n" for reason, message in bad))
-    counts = ", ".join(f"{reason}: {n}" for reason, n in sorted(stats.bad_reasons.items()))
     fraction = len(bad) / stats.samples_read
+    first = "\n  ".join(message for _, message in bad[:3])
+    if fraction == 1:
+        raise DataError(f"{source}: all {len(bad)} samples are bad ({_reason_counts(stats)}). The first:\n  {first}\n"
+                        "Fix the data: skipping them all (--max-bad-fraction) would leave nothing to train on.")
     if fraction > max_bad_fraction:
-        first = "\n  ".join(message for _, message in bad[:3])
         raise DataError(f"{source}: {len(bad)} of {stats.samples_read} samples are bad ({fraction:.1%}, above "
-                        f"--max-bad-fraction {max_bad_fraction:g}; {counts}). The first:\n  {first}\n"
+                        f"--max-bad-fraction {max_bad_fraction:g}; {_reason_counts(stats)}). The first:\n  {first}\n"
                         "Fix the data, or raise --max-bad-fraction to skip them all.")
+
+
+def _reason_counts(stats: PrepareStats) -> str:
+    return ", ".join(f"{reason}: {n}" for reason, n in sorted(stats.bad_reasons.items()))
 
 
 def _log_overflow(stats: PrepareStats, max_length: int, overflow: str) -> None:

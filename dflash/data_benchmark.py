@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import HfArgumentParser
 
+from dflash.cli import cli_parser
 from dflash.config import DEFAULT_BUCKETS
 from dflash.data import (FORMAT_VERSION, IDS_FILE, LOSS_MASK_FILE, PrepareStats, TokenDataset, collate,
                          write_index_and_manifest)
@@ -133,7 +133,7 @@ def run(args: DataBenchArgs, shard: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    (args,) = HfArgumentParser(DataBenchArgs).parse_args_into_dataclasses(argv)
+    (args,) = cli_parser(DataBenchArgs).parse_args_into_dataclasses(argv)
     with tempfile.TemporaryDirectory(prefix="data-bench-") as tmp:
         if args.shard is None:
             write_synthetic_shard(args, Path(tmp))

@@ -14,8 +14,8 @@ import sys
 from dataclasses import dataclass, field
 
 import torch
-from transformers import HfArgumentParser
 
+from dflash.cli import cli_parser
 from dflash.data import load_tokenizer
 from dflash.distributed import pick_device, setup_logging
 from dflash.eval import eos_token_ids, load_prompts
@@ -56,7 +56,7 @@ def timed(decoder: Decoder, prompts: list[list[int]], max_new_tokens: int, eos: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    (args,) = HfArgumentParser(DecodeBenchmarkArgs).parse_args_into_dataclasses(argv)
+    (args,) = cli_parser(DecodeBenchmarkArgs).parse_args_into_dataclasses(argv)
     setup_logging(0)
     device = pick_device(args.device, 0)
     tokenizer = load_tokenizer(args.tokenizer or args.target)

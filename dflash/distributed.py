@@ -14,6 +14,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -111,7 +112,14 @@ def abandon(exit_code: int, wait_s: float = 10.0) -> None:
     worker.join(wait_s)
     if worker.is_alive():
         logging.getLogger(__name__).error("process-group teardown still blocked after %g s; exiting", wait_s)
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(exit_code)
+        exit_now(exit_code)
+
+
+def exit_now(exit_code: int) -> NoReturn:
+    """Flush the logs and exit, skipping the interpreter's teardown: a rank that leaves transfers
+    posted to a peer (one that stalled, or was interrupted too) can otherwise abort in C++ at exit
+    (rc -6, "terminate called without an active exception")."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from dflash.attention import resolve_backend
-from dflash.checkpoint import (Checkpointer, latest_checkpoint, load_checkpoint, saved_batching, saved_drafter_ranks,
-                               saved_recipe)
+from dflash.checkpoint import (CheckpointError, Checkpointer, checkpoint_dir, load_checkpoint,
+                               newest_intact_checkpoint, saved_batching, saved_drafter_ranks, saved_recipe)
 from dflash.config import REPO_ROOT, ConfigError, RunConfig, check_resumed_recipe, recipe_settings
 from dflash.data import TokenDataset
 from dflash.distributed import RankInfo
@@ -95,7 +95,7 @@ def build_drafter_run(ctx: RankContext) -> DrafterRun:
     drafter = DFlashDrafter(dcfg)
     embed, lm_head = frozen_embedding_and_head(config, ctx.target, device)
     ds_config = deepspeed_config(config, device)
-    newest = latest_checkpoint(ctx.out_dir) if config.train.resume else None
+    newest = resume_point(ctx.out_dir, log=is_main) if config.train.resume else None
     if newest is not None and saved_drafter_ranks(newest) != len(topology.drafter_ranks):
         ds_config["checkpoint"]["load_universal"] = True  # ZeRO state resharded from the universal copy
     sampler, anchors = plan_batches(ctx, drafter, ds_config, newest)
@@ -128,7 +128,7 @@ def build_drafter_run(ctx: RankContext) -> DrafterRun:
         )
     start_epoch = 0
     if config.train.resume:
-        start_epoch, total_steps = resume(ctx, engine, sampler, lr_schedule, steps_per_epoch)
+        start_epoch, total_steps = resume(ctx, newest, engine, sampler, lr_schedule, steps_per_epoch)
     checkpointer = Checkpointer(engine, ctx.out_dir, config.train.save_every, config.train.keep_checkpoints,
                                 drafter_rank, len(topology.drafter_ranks), ctx.data_group)
     return DrafterRun(
@@ -171,9 +171,13 @@ def deepspeed_config(config: RunConfig, device: torch.device) -> dict:
     # the tag check all-reduces over the WORLD group, which target ranks never join; our tags
     # (step_N) are the same on every drafter rank by construction
     ds.setdefault("checkpoint", {}).setdefault("tag_validation", "Ignore")
-    bf16 = ds.setdefault("bf16", {})
+    bf16, wanted = ds.setdefault("bf16", {}), train_dtype(config, device) == torch.bfloat16
     if bf16.get("enabled", "auto") == "auto":
-        bf16["enabled"] = train_dtype(config, device) == torch.bfloat16
+        bf16["enabled"] = wanted
+    elif bool(bf16["enabled"]) != wanted:  # the engine's weights would not match the features' dtype
+        raise ConfigError(f"--deepspeed-config {path}: bf16.enabled is {bf16['enabled']} but the run trains in "
+                          f"{'bf16' if wanted else 'fp32'} (--precision {config.train.precision}); set it to "
+                          "\"auto\" or pass the matching --precision")
     return ds
 
 
@@ -247,13 +251,26 @@ def plan_batches(ctx: RankContext, drafter, ds_config: dict, newest: Path | None
     return sampler, anchors
 
 
-def resume(ctx: RankContext, engine, sampler: RankAwareBucketSampler, lr_schedule: LRSchedule,
+def resume_point(out_dir: Path, log: bool) -> Path | None:
+    """The checkpoint --resume continues from: the newest intact one, the newer ones it skips named
+    (when `log`); None where none was saved. Checkpoints that are all damaged are an error."""
+    path, skipped = newest_intact_checkpoint(out_dir)
+    if path is None and skipped:
+        raise CheckpointError(f"--resume: every checkpoint under {checkpoint_dir(out_dir)} is damaged "
+                              f"({'; '.join(skipped)}); restore one from a copy, or start afresh with --overwrite "
+                              "instead of --resume")
+    if log:
+        for problem in skipped:
+            logger.warning("--resume: skipping checkpoint %s; continuing from %s", problem, path)
+    return path
+
+
+def resume(ctx: RankContext, path: Path | None, engine, sampler: RankAwareBucketSampler, lr_schedule: LRSchedule,
            steps_per_epoch: int) -> tuple[int, int]:
-    """Load the newest complete checkpoint, if any; return the epoch to continue in and the
-    run's total steps. A checkpoint of another drafter-rank count has the rest of its epoch
-    planned anew, and the LR curve is stretched over it."""
+    """Load the checkpoint at `path` (the resume_point), if any; return the epoch to continue in
+    and the run's total steps. A checkpoint of another drafter-rank count has the rest of its
+    epoch planned anew, and the LR curve is stretched over it."""
     config = ctx.config
-    path = latest_checkpoint(config.train.output_dir)
     if path is None:
         logger.info("--resume: no complete checkpoint under %s, starting from scratch", config.train.output_dir)
         return 0, lr_schedule.last_step()

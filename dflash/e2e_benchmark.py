@@ -28,8 +28,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformers import HfArgumentParser
-
+from dflash.cli import cli_parser
 from dflash.config import REPO_ROOT
 from dflash.run_report import PROFILE_AFTER_STEPS
 
@@ -69,7 +68,7 @@ def summarize(run_dir: Path, log_every: int, skip: int = 1, profiled: tuple[int,
 
 
 def main(argv: list[str] | None = None) -> dict:
-    (args,) = HfArgumentParser(E2EArgs).parse_args_into_dataclasses(argv)
+    (args,) = cli_parser(E2EArgs).parse_args_into_dataclasses(argv)
     out = Path(args.out)
     if not (out / "assets" / "target" / "config.json").is_file():
         subprocess.run([sys.executable, "-m", "dflash.bench_assets", "--out", str(out / "assets")], check=True)

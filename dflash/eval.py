@@ -19,9 +19,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import HfArgumentParser
 
 from dflash.attention import BlockLayout, resolve_backend
+from dflash.cli import cli_parser
 from dflash.config import EVAL_FLAGS, check_eval_flags
 from dflash.data import DataError, load_chat_jsonl, load_tokenizer, prompt_ids
 from dflash.demo import DEMO_HELDOUT_DATA, DEMO_TARGET_DIR
@@ -265,7 +265,7 @@ EVAL_ERRORS = (DataError, DrafterLoadError, TargetError, ValueError)
 
 
 def main(argv: list[str] | None = None) -> int:
-    (args,) = HfArgumentParser(EvalArgs).parse_args_into_dataclasses(argv)
+    (args,) = cli_parser(EvalArgs).parse_args_into_dataclasses(argv)
     setup_logging(0)
     try:
         check_eval_flags(args.prompts, args.num_prompts, args.max_new_tokens, args.dtype, EVAL_FLAGS, min_prompts=1)

@@ -57,6 +57,9 @@ class LocalFeatures:
     def served_by(self) -> dict[int, int]:
         return {}
 
+    def stop(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -102,7 +105,12 @@ class RemoteFeatures:
     def queue_depths(self) -> dict[int, int]:
         return self.client.queue_depths()
 
+    def stop(self) -> None:
+        """No more batches: the targets answer what was sent and finish, without waiting on us."""
+        self.client.stop()
+
     def close(self) -> None:
+        """Wait for what was sent to be answered (bounded by --transport-timeout-s)."""
         self.client.close()
 
 

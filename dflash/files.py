@@ -29,6 +29,20 @@ def storage_error(err: OSError, path: Path, intact: str) -> StorageError:
     return StorageError(f"{what}; {intact}", err.errno)
 
 
+def output_dir_problem(path: Path) -> str | None:
+    """Why `path` cannot hold a run's outputs, or None. The folder is created (with its parents)
+    and a nameless file written in it: permission bits do not tell (root, read-only mounts, /proc)."""
+    if path.exists() and not path.is_dir():
+        return "is a file, not a folder"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        return f"cannot be created or written ({err.strerror or err})"
+    return None
+
+
 def fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dflash.files import write_text_durably
 from dflash.objective import LossOutput, expected_acceptance_length
 
 logger = logging.getLogger(__name__)
@@ -98,15 +100,18 @@ class WindowMetrics:
 
 
 class MetricsLogger:
-    """metrics.jsonl always; W&B (offline by default, no account needed) when asked."""
+    """metrics.jsonl always; W&B (offline by default, no account needed) when asked. The run goes
+    on from `start_step` (a resumed run: its checkpoint's step)."""
 
-    def __init__(self, output_dir: Path, report_to: str, wandb_mode: str, run_config: dict, enabled: bool):
+    def __init__(self, output_dir: Path, report_to: str, wandb_mode: str, run_config: dict, enabled: bool,
+                 start_step: int):
         self.enabled = enabled
         self.path = output_dir / "metrics.jsonl"
         self.wandb_run = None
         if not enabled:
             return
         output_dir.mkdir(parents=True, exist_ok=True)
+        self._drop_lines_after(start_step)
         if report_to == "wandb" and wandb_mode != "disabled":
             os.environ.setdefault("WANDB_SILENT", "true")
             import wandb
@@ -114,6 +119,16 @@ class MetricsLogger:
             self.wandb_run = wandb.init(
                 project="dflash-train", dir=str(output_dir), mode=wandb_mode, config=run_config, reinit=True
             )
+
+    def _drop_lines_after(self, step: int) -> None:
+        """The steps after `step` are logged again by this run: an earlier run's lines for them (and
+        a line torn by a kill) go, in one atomic rewrite, so that each step appears once."""
+        if not self.path.is_file():
+            return
+        lines = self.path.read_text().splitlines(keepends=True)
+        kept = [line for line in lines if _logged_step(line) <= step]
+        if len(kept) != len(lines):
+            write_text_durably(self.path, "".join(kept))
 
     def log(self, record: dict) -> None:
         if not self.enabled:
@@ -128,6 +143,14 @@ class MetricsLogger:
     def close(self) -> None:
         if self.wandb_run is not None:
             self.wandb_run.finish()
+
+
+def _logged_step(line: str) -> float:
+    """The step of a metrics.jsonl line; infinity for a torn line."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
 
 
 def progress_line(record: dict, total_steps: int) -> str:

@@ -29,12 +29,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-from transformers import HfArgumentParser
 
+from dflash.cli import cli_parser
 from dflash.config import ConfigError
 from dflash.data import DataError, load_chat_jsonl, load_tokenizer, prompt_ids, prompt_messages
 from dflash.distributed import pick_device, setup_logging
-from dflash.files import write_text_durably
+from dflash.files import output_dir_problem, write_text_durably
 from dflash.gguf_target import is_model_path, resolve_target
 from dflash.batch_generate import greedy_batches
 from dflash.static_target import FAST_FAMILIES
@@ -81,10 +81,16 @@ def check_args(args: RegenerateArgs) -> None:
         (is_model_path(args.target),
          f"--target {args.target}: no such folder or .gguf file; pass a local HF model folder or a GGUF file"),
         (Path(args.prompts).is_file(), f"--prompts {args.prompts}: no such file; pass a chat JSONL file"),
+        (not Path(args.output).is_dir(), f"--output {args.output} is a folder: pass a file path in it, such as "
+                                         f"{Path(args.output) / 'regen.jsonl'}"),
     ]
     for ok, message in problems:
         if not ok:
             raise ConfigError(message)
+    folder = Path(args.output).parent
+    problem = output_dir_problem(folder)  # made now, not found missing after hours of generation
+    if problem:
+        raise ConfigError(f"--output {args.output}: its folder {folder} {problem}; pass a path you can write to")
 
 
 def batches_by_length(lengths: dict[int, int], max_new_tokens: int, batch_tokens: int) -> list[list[int]]:
@@ -247,7 +253,7 @@ def regenerate(args: RegenerateArgs) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    (args,) = HfArgumentParser(RegenerateArgs).parse_args_into_dataclasses(argv)
+    (args,) = cli_parser(RegenerateArgs).parse_args_into_dataclasses(argv)
     setup_logging(0)
     try:
         regenerate(args)

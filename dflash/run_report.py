@@ -11,7 +11,7 @@ from dflash.drafter_setup import DrafterRun, RankContext
 from dflash.flops import cost_shapes, measured_peak_tflops, micro_batch_flops
 from dflash.metrics import MetricsLogger, WindowMetrics, progress_line
 from dflash.objective import LossOutput
-from dflash.periodic_eval import TauProbe
+from dflash.periodic_eval import TauProbe, memorising
 from dflash.phases import PhaseClock
 from dflash.profiling import StepProfiler
 
@@ -30,7 +30,7 @@ class RunReport:
         self.shapes = cost_shapes(ctx.dcfg, config.train.max_anchors, whole_target=config.train.kl_weight > 0)
         self.probe = tau_probe(ctx) if run.is_main else None
         self.metrics = MetricsLogger(ctx.out_dir, config.train.report_to, config.train.wandb_mode,
-                                     flat_config(config), enabled=run.is_main)
+                                     flat_config(config), enabled=run.is_main, start_step=run.engine.global_steps)
         self.profiler = StepProfiler(ctx.out_dir, PROFILE_AFTER_STEPS, config.train.profile_steps, device,
                                      enabled=run.is_main)
         self.tau: dict = {}
@@ -58,8 +58,13 @@ class RunReport:
         self.tau = {"tau_step": step, **self.probe.measure(self.run.engine.module)}
         self.window.started += self.tau["eval_seconds"]  # the window's rates count training time only
         self.clock.mark("eval")
-        logger.info("step %d: tau %.2f (exact, teacher-forced on %d held-out prompts, %.1f s)",
-                    step, self.tau["tau"], len(self.probe.sequences), self.tau["eval_seconds"])
+        logger.info("step %d: tau %.2f (exact, teacher-forced on %d held-out prompts; %.2f on as many training "
+                    "samples; %.1f s)", step, self.tau["tau"], len(self.probe.sequences), self.tau["train_tau"],
+                    self.tau["eval_seconds"])
+        if memorising(self.tau["train_tau"], self.tau["tau"]):
+            logger.warning("step %d: tau on training samples %.2f is far above the held-out %.2f: the drafter is "
+                           "memorising its data; train on more distinct samples (fewer epochs)",
+                           step, self.tau["train_tau"], self.tau["tau"])
 
     def log(self, epoch: int, batch_step: int) -> None:
         run, ctx = self.run, self.ctx
@@ -98,7 +103,7 @@ def tau_probe(ctx: RankContext) -> TauProbe | None:
         logger.info("periodic eval needs the target on the drafter rank (colocated); the final eval reports tau")
         return None
     return TauProbe(ctx.target, ctx.tokenizer, data.eval_data, t.eval_prompts, t.eval_max_new_tokens,
-                    ctx.config.model.block_size)
+                    ctx.config.model.block_size, ctx.dataset)
 
 
 def flat_config(config) -> dict:

@@ -59,8 +59,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from transformers import HfArgumentParser
-
+from dflash.cli import cli_parser
 from dflash.data import DataError, Messages
 from dflash.distributed import setup_logging
 from dflash.files import write_text_durably
@@ -291,7 +290,7 @@ def summary(report: BuildReport, out_dir: str, seconds: float) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    (args,) = HfArgumentParser(ShareGPTArgs).parse_args_into_dataclasses(argv)
+    (args,) = cli_parser(ShareGPTArgs).parse_args_into_dataclasses(argv)
     setup_logging(0)
     started = time.perf_counter()
     try:

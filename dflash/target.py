@@ -222,6 +222,7 @@ def resolve_mask_token_id(tokenizer, target_config, requested: int | None) -> in
     if requested is not None:
         if not 0 <= requested < rows:
             raise TargetError(f"--mask-token-id {requested}: must be an embedding row in [0, {rows - 1}]")
+        check_mask_is_not_special(requested, tokenizer, target_config)
         return requested
     if getattr(tokenizer, "mask_token_id", None) is not None:
         return tokenizer.mask_token_id
@@ -231,6 +232,24 @@ def resolve_mask_token_id(tokenizer, target_config, requested: int | None) -> in
         f"the tokenizer uses all {rows} embedding rows of the target and has no mask token; pass "
         "--mask-token-id with the id of a token the target never emits (e.g. an unused special token)"
     )
+
+
+SPECIAL_ROLES = {"eos": "end-of-sequence", "pad": "padding", "bos": "beginning-of-sequence"}
+
+
+def check_mask_is_not_special(token_id: int, tokenizer, target_config) -> None:
+    """The mask fills the drafter's block slots: if it is a token the target emits or sees (end of
+    text, padding, start of text), the drafter reads its slots as that token, a known cause of
+    low acceptance."""
+    for role, meaning in SPECIAL_ROLES.items():
+        in_config = getattr(target_config, f"{role}_token_id", None)  # an id, a list of ids, or None
+        in_config = in_config if isinstance(in_config, list) else [in_config]
+        if token_id in (getattr(tokenizer, f"{role}_token_id", None), *in_config):
+            raise TargetError(
+                f"--mask-token-id {token_id} is the {meaning} token {tokenizer.convert_ids_to_tokens(token_id)!r} "
+                "(the drafter would read its mask slots as that token); pick an id the target never emits, "
+                "e.g. an unused special token, or leave the flag out to use the tokenizer's mask token or a spare "
+                "embedding row")
 
 
 def _weights_hint(folder: Path) -> str:

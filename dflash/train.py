@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dflash.checkpoint import latest_checkpoint
 from dflash.config import RunConfig, earlier_run_files
 from dflash.data import TokenDataset, load_tokenizer
 from dflash.data_tools import prepare_train_shard, train_shard_dir
@@ -32,6 +33,7 @@ from dflash.objective import Blocks, LossDenominators, LossOutput
 from dflash.phases import PhaseClock
 from dflash.run_report import RunReport
 from dflash.schedules import feature_noise_std
+from dflash.spike import StepTally
 from dflash.target import (
     FrozenTarget,
     check_target_layer_ids,
@@ -47,7 +49,8 @@ from dflash.topology import (
     ranks_per_node,
     suggest_target_ranks,
 )
-from dflash.transport import DrafterClient, FeatureBatch, TargetServer, TransportSpec, open_pair_groups
+from dflash.transport import (DrafterClient, FeatureBatch, TargetServer, TransportError, TransportSpec,
+                              open_pair_groups)
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +63,15 @@ class TrainResult:
     drafter_dir: Path
     initial_drafter_dir: Path
     last_metrics: dict
+    targets_finished: bool = True  # False: a target rank stalled after the drafters' last step
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during the step loop, with the optimizer step the run had reached."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(step)
+        self.step = step
 
 
 def build_drafter_config(config: RunConfig, tokenizer):
@@ -169,15 +181,29 @@ def train_drafter_rank(ctx: RankContext, source: FeatureSource) -> TrainResult:
     """Build, loop, finish. The step, the report and the checkpointer each decide when they act."""
     run = build_drafter_run(ctx)
     report = RunReport(ctx, run, source)
+    tally = StepTally()
+    try:
+        train_steps(ctx, run, report, source, tally)
+    except KeyboardInterrupt as interrupt:
+        run.checkpointer.cancel()  # the save in flight, if any, is not the one the message names
+        raise Interrupted(run.engine.global_steps) from interrupt
+    return finish(ctx, run, report, source, tally)
+
+
+def train_steps(ctx: RankContext, run: DrafterRun, report: RunReport, source: FeatureSource,
+                tally: StepTally) -> None:
+    """The optimizer steps of the run, from where it starts (or resumes) to its last."""
     clock = report.clock
     for window in accumulation_windows(epoch_batches(ctx, run, source, clock), ctx.config.train.grad_accum):
         blocks, denominators = plan_window(ctx, run, window, clock)
+        before, guard_skips = (run.engine.global_steps, run.engine.skipped_steps), 0
         for (epoch, batch_step, indices, batch), these in zip(window, blocks):
             out = micro_batch_loss(ctx, run, batch, these, denominators)
             clock.mark("drafter_forward")
             skip = run.guard.should_skip(out.mean_loss, track=batch is not None)
             clock.mark("spike_check")
             if skip:
+                guard_skips += 1
                 logger.warning("skipped the micro-batch of step %d, epoch %d: loss %.4g vs recent median %s "
                                "(%d skipped so far)", batch_step, epoch + 1, float(out.mean_loss),
                                f"{run.guard.reference:.4g}" if run.guard.reference is not None else "n/a",
@@ -193,7 +219,23 @@ def train_drafter_rank(ctx: RankContext, source: FeatureSource) -> TrainResult:
                 report.optimizer_step(epoch, batch_step)
                 run.checkpointer.maybe_save(run.engine.global_steps, run.trainer_state(epoch, batch_step))
             clock.mark("bookkeeping")
-    return finish(ctx, run, report, source)
+        count_step(run, tally, before, guard_skipped_all=guard_skips == len(window))
+        if tally.failing:
+            run.checkpointer.wait()  # the save in flight, committed, is the newest checkpoint
+            raise tally.error(ctx.config.train.lr, latest_checkpoint(ctx.out_dir))
+
+
+def count_step(run: DrafterRun, tally: StepTally, before: tuple[int, int], guard_skipped_all: bool) -> None:
+    """Whether the optimizer step of the window just run trained, or was skipped and why; `before`:
+    the engine's (global_steps, skipped_steps) at its start. A window that ends the run short of
+    the accumulation boundary took no step."""
+    steps, engine_skips = before
+    if run.engine.skipped_steps != engine_skips:
+        tally.add(run.engine.global_steps, "with a gradient norm not finite")
+    elif guard_skipped_all:
+        tally.add(steps + 1, "with a loss not finite or a spike")
+    elif run.engine.global_steps != steps:
+        tally.add(run.engine.global_steps, None)
 
 
 def epoch_batches(ctx: RankContext, run: DrafterRun, source: FeatureSource, clock: PhaseClock):
@@ -270,9 +312,12 @@ def anchor_generator(seed: int, epoch: int, step: int, drafter_rank: int) -> tor
     return torch.Generator().manual_seed(((seed * 1_000_003 + epoch) * 1_000_003 + step) * 1_009 + drafter_rank)
 
 
-def finish(ctx: RankContext, run: DrafterRun, report: RunReport, source: FeatureSource) -> TrainResult:
-    """Stop the transport, wait for the last checkpoint, report routing, export the drafter."""
-    source.close()
+def finish(ctx: RankContext, run: DrafterRun, report: RunReport, source: FeatureSource,
+           tally: StepTally) -> TrainResult:
+    """Stop the transport, wait for the last checkpoint, report routing, export the drafter, then
+    wait for the targets to answer what was sent: nothing before the export needs a target rank,
+    so one that stalls after the last step costs a warning, not the run."""
+    source.stop()
     run.checkpointer.wait()
     routing = routing_report(source.served_by, ctx.topology, ctx.data_group)
     if run.is_main and routing:
@@ -281,10 +326,36 @@ def finish(ctx: RankContext, run: DrafterRun, report: RunReport, source: Feature
     steps, seconds = run.engine.global_steps, report.seconds
     if run.is_main:
         export_drafter(run.engine.module, drafter_dir)
-        logger.info("trained %d steps in %.1f s; drafter exported to %s", steps, seconds, drafter_dir)
+        logger.info("trained %s in %.1f s; drafter exported to %s", steps_trained(report.first_step, steps, tally),
+                    seconds, drafter_dir)
     report.close()
     role = "colocated" if ctx.topology.colocated else "drafter"
-    return TrainResult(role, steps, seconds, drafter_dir, run.initial_dir, report.last)
+    return TrainResult(role, steps, seconds, drafter_dir, run.initial_dir, report.last,
+                       targets_finished=close_transport(ctx, source, drafter_dir))
+
+
+def steps_trained(first_step: int, last_step: int, tally: StepTally) -> str:
+    """The steps this run trained and skipped: "8 steps, skipped 0", or "4 steps, skipped 0 (steps
+    3-6; resumed from step 2)"."""
+    if first_step == 0:
+        return tally.summary()
+    span = f"steps {first_step + 1}-{last_step}; " if last_step > first_step else ""
+    return f"{tally.summary()} ({span}resumed from step {first_step})"
+
+
+def close_transport(ctx: RankContext, source: FeatureSource, drafter_dir: Path) -> bool:
+    """Whether every target answered to the end, as all drafter ranks agree (a rank that saw a
+    target stall must not wait for it at the final barrier, nor may the others)."""
+    try:
+        source.close()
+        finished = 1.0
+    except TransportError as err:
+        logger.warning("after the last step: %s (the drafter is exported to %s; the target ranks are left "
+                       "behind)", err, drafter_dir)
+        finished = 0.0
+    agreed = torch.tensor([finished], device=ctx.ranks.device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=ctx.data_group)
+    return bool(agreed.item() > 0)
 
 
 def routing_report(served_by: dict[int, int], topology: Topology, data_group) -> str:

@@ -1,28 +1,37 @@
-"""Run under torchrun: trains a tiny drafter with a DeepSpeed engine for a few steps and saves
-the final weights. With 2 processes: ZeRO-2 data parallelism over the drafter group, rank r
-takes micro-batch r of every step. With 1 process: gradient accumulation over both micro-batches
-of every step (the doubled batch). The micro-batches hold unequal numbers of scored slots.
-The loss is CE + D-PACE, so both of its denominators (slot weights, scored slots) are covered.
-`global` normalises the loss by the step's denominators, summed over its micro-batches on every
-rank, as the trainer does; `local` divides each micro-batch by its own. `pooled` (1 process) is
-the reference: both micro-batches as one, the same blocks."""
+"""Run under torchrun: a few plain SGD steps of a tiny float64 drafter through a real DeepSpeed
+engine, ZeRO stage 1 and then 2, recording at every step the gradient the engine is about to
+apply (all-reduced over the drafter group and normalised). With 2 processes: data parallelism
+over the drafter group, rank r takes micro-batch r of every step. With 1 process: gradient
+accumulation over both micro-batches of every step (the doubled batch). The micro-batches hold
+unequal numbers of scored slots. The loss is CE + D-PACE, so both of its denominators (slot
+weights, scored slots) are covered. `global` normalises the loss by the step's denominators,
+summed over its micro-batches on every rank, as the trainer does; `local` divides each
+micro-batch by its own. `pooled` (1 process) is the reference: both micro-batches as one, the
+same blocks. Rank 0 saves {(mode, stage): [{parameter name: float64 gradient} per step]}."""
 
 from __future__ import annotations
 
-import json
 import sys
 
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.utils import safe_get_full_grad
 
 from conftest import MASK_ID, tiny_drafter, tiny_target
-from dflash.drafter_step import DrafterStep, StepSettings
 from dflash.attention import BlockLayout
-from dflash.objective import LossDenominators, LossTerms, build_blocks, slot_weights
+from dflash.drafter_step import DrafterStep, StepSettings
+from dflash.objective import LossDenominators, LossTerms, build_blocks
 from dflash.topology import DrafterParallelism, drafter_groups, plan_topology
 
-STEPS = 3
+STEPS = 2
+STAGES = (1, 2)
+# Powers of two: the loss sums slot weights in float32, and these sums are exact in any order, so
+# every mode divides by the same denominators.
+SLOT_WEIGHTS = torch.tensor([0.0, 1.0, 0.5, 0.25])
+# Plain SGD: the next step starts from weights that differ between modes by float32 rounding at
+# most (Adam would divide by each element's gradient scale and magnify that).
+LR = 0.1
 
 
 def micro_batch(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,23 +57,24 @@ def pool(blocks: list, batches: list):
     return build_blocks(ids, torch.cat([mask for _, mask in batches]), layout, MASK_ID)
 
 
-def main(out_path: str, mode: str) -> None:
-    deepspeed.init_distributed(dist_backend="gloo")
+def applied_gradients(mode: str, stage: int, target) -> list[dict[str, torch.Tensor]]:
+    """Per step, the gradient of every parameter as the engine holds it before its step."""
     world, rank = dist.get_world_size(), dist.get_rank()
     topology = plan_topology("colocated", world)
     data_group, self_group = drafter_groups(topology)
-    target = tiny_target("qwen3", dtype=torch.float32)
-    drafter = tiny_drafter(target, block_size=4).float()
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    drafter = tiny_drafter(target, block_size=4)  # float64, as the target
     accumulate = 1 if mode == "pooled" else 2 // world
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": accumulate,
-              "gradient_clipping": 1.0, "zero_optimization": {"stage": 2}, "steps_per_print": 10**9}
-    engine, _, _, _ = deepspeed.initialize(model=drafter, optimizer=optimizer, config=config,
+              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+              "steps_per_print": 10**9}
+    engine, _, _, _ = deepspeed.initialize(model=drafter, optimizer=torch.optim.SGD(drafter.parameters(), lr=LR),
+                                           config=config,
                                            mpu=DrafterParallelism(data_group, self_group, topology.drafter_ranks))
-    settings = StepSettings(max_anchors=6, slot_weights=slot_weights(4, 4.0), attention_backend="sdpa",
+    settings = StepSettings(max_anchors=6, slot_weights=SLOT_WEIGHTS, attention_backend="sdpa",
                             terms=LossTerms("ce+dpace"))
     step = DrafterStep(engine.module, target.embed_tokens, target.lm_head, settings, forward=engine)
     mine = [rank] if world == 2 else [0, 1]
+    gradients = []
     for s in range(STEPS):
         batches = [micro_batch(s, index) for index in mine]
         blocks = [step.sample_blocks(ids, mask, torch.Generator().manual_seed(7 * s + index))
@@ -79,14 +89,22 @@ def main(out_path: str, mode: str) -> None:
             batches, blocks = [(torch.cat([ids for ids, _ in batches]), None)], [pool(blocks, batches)]
         for (ids, _), these in zip(batches, blocks):
             engine.backward(step.loss(these, target.features(ids).features, denominators=denominators).loss)
+            if engine.is_gradient_accumulation_boundary():  # reduced over ranks and micro-batches by now
+                gradients.append({name: safe_get_full_grad(p).to(torch.float64, copy=True)
+                                  for name, p in engine.module.named_parameters()})
             engine.step()
-    if rank == 0:
-        state = {k: v.tolist() for k, v in engine.module.state_dict().items()}
-        with open(out_path, "w") as f:
-            json.dump({"state": state, "global_steps": engine.global_steps}, f)
+    return gradients
+
+
+def main(out_path: str, modes: list[str]) -> None:
+    deepspeed.init_distributed(dist_backend="gloo")
+    target = tiny_target("qwen3")  # float64
+    results = {(mode, stage): applied_gradients(mode, stage, target) for mode in modes for stage in STAGES}
+    if dist.get_rank() == 0:
+        torch.save(results, out_path)
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2].split(","))

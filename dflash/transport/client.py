@@ -51,7 +51,7 @@ class _Request:
 
 class DrafterClient:
     """Per training step: submit() the sampler's next micro-batches while free_credit() > 0,
-    then receive() the step to train on."""
+    then receive() the step to train on. At the end stop() (returns at once), then close()."""
 
     def __init__(self, rank: int, target_ranks: list[int], spec: TransportSpec, lengths: np.ndarray,
                  groups: PairGroups, node_of: dict[int, int] | None = None) -> None:
@@ -64,7 +64,8 @@ class DrafterClient:
         self._route = RouteView(spec.credits, {t: 0 for t in self.targets}, {t: 0 for t in self.targets},
                                 same_node={t: node_of.get(t) == node_of.get(rank) for t in self.targets})
         self._window = 2 * spec.credits * len(self.targets)
-        self._closed = self._failed = False
+        self._closed = self._stopped = self._failed = False
+        self._stops: dict[int, Op] = {}  # the STOP sent to each target
         try:
             self._handshake()
         except TransportError:
@@ -85,8 +86,8 @@ class DrafterClient:
     def submit(self, step: int, sample_ids: list[int]) -> int | None:
         """Route one micro-batch and send it; returns the target, or None when the request
         waits here for a free credit (it is then sent at a later call)."""
-        if self._closed or step in self._held or not sample_ids:
-            raise ValueError(f"cannot submit step {step}: client closed, step pending, or no sample ids")
+        if self._stopped or self._closed or step in self._held or not sample_ids:
+            raise ValueError(f"cannot submit step {step}: client stopped, step pending, or no sample ids")
         if self.free_credit() == 0:
             raise TransportError(f"rank {self.rank} (drafter), step {step}: no free credit "
                                  f"({len(self._held)} steps held, in flight per target {self._route.in_flight}); "
@@ -106,16 +107,30 @@ class DrafterClient:
                              f"the oldest pending step is {oldest}")
         return self._guarded(self._take, self._held.pop(step))
 
+    def stop(self) -> None:
+        """Tell every target that no request follows: STOP goes out behind the requests sent, which
+        are still answered, and the ones not sent are dropped. Nothing here waits on a target, so the
+        drafter's last work (its final checkpoint, the export) does not depend on them."""
+        if self._stopped or self._failed:
+            return
+        self._stopped = True
+        self._waiting.clear()  # never sent: nothing to drain
+        for req in [req for req in self._held.values() if not req.sent]:
+            del self._held[req.step]
+        self._stops = self._guarded(lambda: {target: link.send_ints([STOP, -1, 0, 0], "close", "STOP")
+                                             for target, link in self._links.items()})
+
     def close(self) -> None:
-        """Send STOP to every target once the requests in flight are answered. After a
-        TransportError nothing is sent: peers are gone or out of step; tear the group down."""
+        """stop(), then wait until the requests in flight are answered and every STOP has gone out.
+        After a TransportError nothing is sent: peers are gone or out of step; tear the group down."""
         if self._closed:
             return
         self._closed = True
         self._watchdog.disarm()
         try:
             if not self._failed:
-                self._stop_all()
+                self.stop()
+                self._drain()
         except TransportError:
             self._failed = True
             raise
@@ -204,14 +219,11 @@ class DrafterClient:
         old = self._route.sec_per_token.get(req.target, sample)
         self._route.sec_per_token[req.target] = (1 - SPEED_SMOOTHING) * old + SPEED_SMOOTHING * sample
 
-    def _stop_all(self) -> None:
+    def _drain(self) -> None:
         deadline = time.monotonic() + self.spec.timeout_s
-        self._waiting.clear()  # never sent: nothing to drain
-        sent = [req for req in self._held.values() if req.sent]
-        stops = {target: link.send_ints([STOP, -1, 0, 0], "close", "STOP") for target, link in self._links.items()}
-        for req in sent:  # drained, so no transfer is cut off at teardown
+        for req in self._held.values():  # drained, so no transfer is cut off at teardown
             self._links[req.target].wait([*req.sends, req.header, req.payload], deadline, self.spec.timeout_s,
                                          f"step {req.step}", "the response")
         self._held.clear()
-        for target, op in stops.items():
+        for target, op in self._stops.items():
             self._links[target].wait([op], deadline, self.spec.timeout_s, "close", "STOP")

@@ -110,6 +110,25 @@ def test_target_ranks_flag_is_checked_before_launching(capsys, paths):
                "--target-ranks half")
 
 
+def test_an_output_dir_that_cannot_be_a_folder_is_refused_before_set_up(capsys, paths):
+    for out, problem in ((paths["data"], "is a file, not a folder"),
+                         ("/proc/x", "cannot be created or written (No such file or directory)"),
+                         (f"{paths['data']}/run", "cannot be created or written (Not a directory)")):
+        fails_with(capsys, ["--target", paths["target"], "--train-data", paths["data"], "--output-dir", out],
+                   f"--output-dir {out} {problem}: pass a folder you can write to")
+    from dflash.config import parse_config
+
+    fresh = paths["tmp"] / "new" / "run"
+    assert parse_config(["--target", paths["target"], "--train-data", paths["data"], "--output-dir", str(fresh)])
+    assert fresh.is_dir() and not any(fresh.iterdir())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a visible GPU")
+def test_device_cuda_without_a_gpu_is_refused_before_set_up(capsys, paths):
+    fails_with(capsys, ["--target", paths["target"], "--train-data", paths["data"], "--device", "cuda"],
+               "--device cuda: no CUDA device is visible on this machine; use --device cpu")
+
+
 def test_an_output_dir_with_an_earlier_run_needs_resume_or_overwrite(capsys, paths):
     out = paths["tmp"] / "run"
     (out / "checkpoints").mkdir(parents=True)
@@ -176,3 +195,49 @@ def test_train_and_eval_share_the_evaluation_checks(capsys, paths, tmp_path):
     missing = tmp_path / "missing.jsonl"
     eval_fails_with(capsys, ["--prompts", str(missing)], f"--prompts {missing}: no such file")
     eval_fails_with(capsys, ["--num-prompts", "0"], "--num-prompts 0: use at least 1")
+
+
+def test_a_config_file_with_unknown_keys_names_them_with_the_closest_flags(capsys, paths):
+    run = paths["tmp"] / "run.yaml"
+    run.write_text(f"target: {paths['target']}\ntrain_data: {paths['data']}\nmax_step: 10\neval-prompt: 2\nzzz: 1\n")
+    fails_with(capsys, [str(run)], f"error: {run}: unknown keys 'max_step' (did you mean 'max_steps'?), "
+               "'eval-prompt' (did you mean 'eval-prompts'?), 'zzz'; the keys are the flags of "
+               "`python train_drafter.py --help` without their leading --")
+    run.write_text("- max_steps: 10\n")
+    fails_with(capsys, [str(run)], f"error: {run}: expected a mapping of flag names to values")
+    run.write_text("max_steps: [10\n")
+    fails_with(capsys, [str(run)], f"error: {run}: cannot read it as YAML (")
+
+
+def test_a_config_file_takes_either_spelling_and_its_values_are_typed_as_flags_are(paths):
+    from dflash.config import parse_config
+
+    run = paths["tmp"] / "run.yaml"
+    # PyYAML reads 1e-3 as a string; as a flag value it is a float like any other
+    run.write_text(f"target: {paths['target']}\ntrain-data: {paths['data']}\nlr: 1e-3\nmax-steps: 5\n"
+                   f"bucket_boundaries: [0, 64]\nepochs: null\noutput_dir: {paths['tmp'] / 'run'}\n")
+    train = parse_config([str(run)]).train
+    assert (train.lr, train.max_steps, train.epochs) == (1e-3, 5, 6)
+
+
+def test_zero_stage_3_is_refused_at_start(capsys, paths):
+    """ZeRO-3 partitions the weights: the run logged "0.0M trainable params" and exported empty tensors."""
+    ds = paths["tmp"] / "zero3.json"
+    ds.write_text('{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}')
+    fails_with(capsys, ["--target", paths["target"], "--train-data", paths["data"], "--deepspeed-config", str(ds)],
+               f"--deepspeed-config {ds}: zero_optimization.stage 3 is not supported; use stage 1 or 2 "
+               "(ds_configs/zero1.json, ds_configs/zero2.json)", "what ZeRO shards here is its optimizer state")
+
+
+def test_a_mask_token_the_target_emits_or_reads_is_refused():
+    import re
+
+    tokenizer = make_tiny_tokenizer()
+    config = tiny_causal_lm(vocab_size=len(tokenizer) + 2).config
+    config.bos_token_id = 1
+    for token_id, meaning, token in ((tokenizer.eos_token_id, "end-of-sequence", "<|im_end|>"),
+                                     (tokenizer.pad_token_id, "padding", "<|endoftext|>"),
+                                     (1, "beginning-of-sequence", "<|im_start|>")):
+        with pytest.raises(TargetError, match=re.escape(f"--mask-token-id {token_id} is the {meaning} token "
+                                                        f"'{token}'") + ".*pick an id the target never emits"):
+            resolve_mask_token_id(tokenizer, config, token_id)

@@ -53,11 +53,25 @@ def test_placements_train(tiny_setup, tmp_path, nproc, placement, expect):
     assert (tmp_path / "drafter" / "model.safetensors").is_file()
 
 
-def test_zero2_over_two_drafter_ranks_matches_one_rank_on_the_doubled_batch(tmp_path):
+def test_zero_over_two_drafter_ranks_applies_the_gradient_of_the_doubled_batch(tmp_path):
     """DeepSpeed's data-parallel group is the drafter group, and the loss is normalised over the
-    whole step: with unequal micro-batches, ZeRO-2 over 2 ranks and one rank accumulating both
-    apply the update of both micro-batches pooled into one. Normalised per micro-batch, the
-    small micro-batch would weigh as much as the large one, and the result differs."""
+    whole step: with unequal micro-batches, ZeRO-1 and ZeRO-2 over 2 ranks and one rank
+    accumulating both apply the gradient of both micro-batches pooled into one. Normalised per
+    micro-batch, the small micro-batch would weigh as much as the large one: the gradient moves
+    by tens of percent.
+
+    Why the tolerance holds on any machine: the drafter runs in float64, so a micro-batch's
+    gradient is the same in every run up to float64 rounding (~1e-16; the loss head's float32
+    per-row terms come from the same rows alike). What differs between the runs is the engine's
+    reduction, which keeps gradients in float32 (its master precision) and adds the micro-batches'
+    parts in another order: each element is the float32 rounding of a sum of two float32
+    roundings, within a few float32 ulps (2**-23 ~ 1.2e-7) of the parts' scale by IEEE 754 alone,
+    whatever the CPU or BLAS. Nothing on the way divides by a gradient-dependent quantity (plain
+    SGD, no clipping; the slot weights are powers of two, so the denominators are exact sums), so
+    nothing magnifies that: Adam's division by each element's own gradient scale once turned it
+    into a visible weight change on some machines. The bound, 1e-6 of each tensor's largest
+    element, is about 8 float32 ulps (measured: 1.5e-7); per-micro-batch normalisation moves the
+    gradient by about half."""
     import os
     import subprocess
     import sys
@@ -67,27 +81,27 @@ def test_zero2_over_two_drafter_ranks_matches_one_rank_on_the_doubled_batch(tmp_
     from conftest import REPO, free_port
 
     results = {}
-    for nproc, mode in ((1, "pooled"), (1, "global"), (2, "global"), (2, "local")):
-        out = tmp_path / f"weights-{nproc}-{mode}.json"
+    for nproc, modes in ((1, "pooled,global"), (2, "global,local")):
+        out = tmp_path / f"gradients-{nproc}.pt"
         env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}", "DS_ACCELERATOR": "cpu"}
         proc = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-             str(free_port()), str(REPO / "tests" / "zero_worker.py"), str(out), mode],
+             str(free_port()), str(REPO / "tests" / "zero_worker.py"), str(out), modes],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        results[nproc, mode] = json.loads(out.read_text())
-    assert {r["global_steps"] for r in results.values()} == {3}
+        results.update({(nproc, *key): steps for key, steps in torch.load(out).items()})
 
-    def gap(run) -> float:
-        reference = results[1, "pooled"]["state"]
-        return max(float((torch.tensor(results[run]["state"][name]) - torch.tensor(value)).abs().max())
-                   for name, value in reference.items())
+    def gap(nproc: int, mode: str, stage: int) -> float:
+        """The largest difference from the pooled reference, relative to each tensor's largest element."""
+        run, reference = results[nproc, mode, stage], results[1, "pooled", stage]
+        assert len(run) == len(reference) == 2
+        return max(float((mine[name] - grad).abs().max() / grad.abs().max())
+                   for mine, ref in zip(run, reference) for name, grad in ref.items())
 
-    # Summing gradients in another order leaves float32 noise of ~1e-7 relative, which Adam can
-    # turn into ~1e-6 in a near-zero element; a wrong normalisation moves weights by a good
-    # fraction of a step (lr 1e-2).
-    assert gap((1, "global")) < 1e-4 and gap((2, "global")) < 1e-4, (gap((1, "global")), gap((2, "global")))
-    assert gap((2, "local")) > 1e-3, gap((2, "local"))
+    for stage in (1, 2):
+        same = {(nproc, stage): gap(nproc, "global", stage) for nproc in (1, 2)}
+        assert max(same.values()) < 1e-6, same
+        assert gap(2, "local", stage) > 0.05, gap(2, "local", stage)
 
 
 def test_two_nodes_on_one_machine(tiny_setup, tmp_path):
@@ -128,6 +142,36 @@ def test_killed_target_rank_ends_the_drafter_with_a_clear_error(tiny_setup, tmp_
                                          signal.SIGKILL)
     assert seconds < 90
     assert "TransportError" in err and "target rank 1" in err, err[-2000:]
+
+
+def test_a_target_stalled_after_the_last_step_costs_a_warning_not_the_drafter(tiny_setup, tmp_path):
+    """A target rank stopped (SIGSTOP) once it has served what the drafter still needs: the drafter
+    finishes, saves, exports, warns that the target did not answer the requests sent ahead, and
+    exits 0 without waiting for it at the final barrier."""
+    args = tiny_args(tiny_setup, tmp_path, "--target-ranks", "1", "--save-every", "2", "--transport-timeout-s", "10")
+    procs = start_ranks(args, 2, stderr=subprocess.PIPE)
+    metrics = tmp_path / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 180
+        # the target computes ahead of the drafter (--credits requests in flight): by step 6 it
+        # has served steps 7 and 8
+        while not (metrics.exists() and metrics.read_text().count("\n") >= STEPS - 2):
+            assert time.monotonic() < deadline and procs[0].poll() is None, "training never got there"
+            time.sleep(0.01)
+        procs[1].send_signal(signal.SIGSTOP)
+        _, err = procs[0].communicate(timeout=120)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert procs[0].returncode == 0, err[-3000:]
+    assert (tmp_path / "drafter" / "model.safetensors").is_file()
+    assert (tmp_path / "checkpoints" / f"step_{STEPS}").is_dir()
+    warnings = [line for line in err.splitlines() if "after the last step: " in line]
+    assert len(warnings) == 1, err[-3000:]
+    assert "timed out after 10 s" in warnings[0] and "target rank 1" in warnings[0], warnings
+    assert f"the drafter is exported to {tmp_path / 'drafter'}" in warnings[0]
+    assert len(losses(tmp_path)) == STEPS
 
 
 def stop_a_target_mid_run(args: list[str], out: Path, sig: int) -> tuple[str, float]:

@@ -11,7 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dflash.data import TokenDataset, load_chat_jsonl, load_tokenizer, prepare_dataset, prompt_ids, prompt_messages
+from dflash.data import (TokenDataset, load_chat_jsonl, load_tokenizer, prepare_dataset, prompt_ids, prompt_messages,
+                         tokenize_conversation)
 from dflash.demo import DEMO_HELDOUT_DATA, DEMO_TARGET_DIR
 from dflash.regenerate import main as regenerate_main
 
@@ -48,6 +49,8 @@ def test_regenerated_replies_are_the_targets_greedy_replies(tmp_path, capfd, eng
         if tokenizer.eos_token_id in alone:
             alone = alone[:alone.index(tokenizer.eos_token_id)]
         assert records[i]["messages"][-1]["content"] == tokenizer.decode(alone, skip_special_tokens=True), i
+        ids, mask = tokenize_conversation(tokenizer, records[i]["messages"])
+        assert ids[mask].tolist()[: len(alone)] == alone, "the trained tokens are the target's own tokens"
     assert any(r["messages"][-1]["content"] != r["messages"][-1]["content"].strip() for r in records), \
         "the demo target's replies start or end with whitespace: a stripped file would differ"
 
@@ -70,6 +73,13 @@ def test_bad_flags_get_one_line(tmp_path, capsys):
     assert "--target" in capsys.readouterr().err
     assert regenerate_main([*argv[:1], str(DEMO_TARGET_DIR), *argv[2:], "--sampling", "hot"]) == 2
     assert "--sampling hot: use greedy or target" in capsys.readouterr().err
+    good = [*argv[:1], str(DEMO_TARGET_DIR), *argv[2:4]]
+    assert regenerate_main([*good, "--output", str(tmp_path)]) == 2
+    assert f"--output {tmp_path} is a folder: pass a file path in it" in capsys.readouterr().err
+    under_a_file = DEMO_HELDOUT_DATA / "regen.jsonl"
+    assert regenerate_main([*good, "--output", str(under_a_file)]) == 2
+    assert (f"--output {under_a_file}: its folder {DEMO_HELDOUT_DATA} is a file, not a folder"
+            in capsys.readouterr().err)
 
 
 def test_engine_choice_and_a_missing_vllm(tmp_path, capfd, monkeypatch):
@@ -96,6 +106,6 @@ def test_prompt_only_conversations_regenerate_like_those_with_a_reply(tmp_path):
     prompts.write_text("".join(json.dumps({"messages": m[:-1]} if i % 2 else {"prompt": m[0]["content"]}) + "\n"
                                for i, m in enumerate(source)))
     with_replies = run(tmp_path, "--limit", "4")
-    (tmp_path / "from_prompts").mkdir()
-    prompt_only = run(tmp_path / "from_prompts", "--prompts", str(prompts))  # the later flag wins
+    folder = tmp_path / "missing" / "folder"  # created, with its parents
+    prompt_only = run(folder, "--prompts", str(prompts))  # the later flag wins
     assert prompt_only == with_replies and [r["messages"][:-1] for r in prompt_only] == [m[:-1] for m in source]

@@ -1,6 +1,7 @@
 """A run killed (SIGKILL, no warning) after a checkpoint resumes exactly: the resumed steps have
-the same losses as an uninterrupted run, in colocated and split placements, and a half-written
-checkpoint is never picked."""
+the same losses as an uninterrupted run, in colocated and split placements, metrics.jsonl holds
+each step once, and a half-written or later damaged checkpoint is never picked. Ctrl-C ends a run
+with one line that names the checkpoint to resume from."""
 
 from __future__ import annotations
 
@@ -9,18 +10,22 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from conftest import run_trainer, start_ranks, tiny_args
-from dflash.checkpoint import STATE_FILE, latest_checkpoint
+from dflash.checkpoint import STATE_FILE, CheckpointError, latest_checkpoint
 
 STEPS = 12
 
 
 def losses_by_step(out: Path) -> dict[int, float]:
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records}  # a resumed step overwrites the crashed run's
+    steps = [r["step"] for r in records]
+    assert steps == sorted(set(steps)), f"a step logged twice or out of order: {steps}"
+    return {r["step"]: r["loss"] for r in records}
 
 
 def kill_after_first_checkpoint(procs: list[subprocess.Popen], victim: int, out: Path) -> None:
@@ -123,3 +128,88 @@ def test_a_resume_with_another_recipe_is_refused_before_training(tiny_setup, tmp
             "--max-steps 20 (the checkpoint: 8)") in proc.stderr
     assert "--overwrite instead of --resume" in proc.stderr
     assert (out / "metrics.jsonl").read_text() == metrics and latest_checkpoint(out) == newest
+
+
+def test_resume_skips_damaged_checkpoints_names_them_and_logs_each_step_once(tiny_setup, tmp_path):
+    """A checkpoint cut short after it was committed (a full disk, an interrupted copy) is skipped
+    with its reason; the run goes on exactly from the newest intact one, and its closing line
+    counts the steps this run trained."""
+    out = tmp_path / "run"
+    args = tiny_args(tiny_setup, out, "--save-every", "2")
+    proc = run_trainer(args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    straight = losses_by_step(out)
+    checkpoints = out / "checkpoints"
+    assert sorted(p.name for p in checkpoints.glob("step_*")) == ["step_4", "step_6", "step_8"]
+    state = checkpoints / "step_8" / STATE_FILE
+    state.write_text(state.read_text()[:40])
+    weights = checkpoints / "step_6" / "mp_rank_00_model_states.pt"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    proc = run_trainer([*args, "--resume"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"--resume: skipping checkpoint step_8: {STATE_FILE} is truncated or corrupt" in proc.stderr
+    assert "--resume: skipping checkpoint step_6: mp_rank_00_model_states.pt is truncated or corrupt" in proc.stderr
+    assert f"resumed from {checkpoints / 'step_4'} at step 4" in proc.stderr
+    assert "trained 4 steps" in proc.stderr and "(steps 5-8; resumed from step 4)" in proc.stderr
+    assert losses_by_step(out) == straight  # steps 1-8 once each; 5-8 retrained exactly
+
+
+def test_resume_with_every_checkpoint_damaged_is_one_clear_error(tmp_path):
+    from dflash.drafter_setup import resume_point
+
+    assert resume_point(tmp_path, log=True) is None  # nothing saved: the run starts from scratch
+    for step in (2, 4):
+        folder = tmp_path / "checkpoints" / f"step_{step}"
+        folder.mkdir(parents=True)
+        (folder / STATE_FILE).write_text('{"sampler": {"epoch": 0}}\n')
+        torch.save({"module": torch.zeros(64)}, folder / "mp_rank_00_model_states.pt")
+    assert resume_point(tmp_path, log=True) == tmp_path / "checkpoints" / "step_4"
+    (tmp_path / "checkpoints" / "step_4" / STATE_FILE).write_text('{"sampler": {"ep')
+    rng = tmp_path / "checkpoints" / "step_2" / "rng_rank0.pt"
+    torch.save({"cpu": torch.zeros(8)}, rng)
+    rng.write_bytes(rng.read_bytes()[:-30])
+    with pytest.raises(CheckpointError) as failure:
+        resume_point(tmp_path, log=True)
+    message = str(failure.value)
+    assert message.startswith(f"--resume: every checkpoint under {tmp_path / 'checkpoints'} is damaged (step_4: "
+                              f"{STATE_FILE} is truncated or corrupt")
+    assert "step_2: rng_rank0.pt is truncated or corrupt" in message and "--overwrite" in message
+
+
+@pytest.mark.parametrize("world, placement", [(1, []), (2, ["--target-ranks", "1"])], ids=["x1", "split-1+1"])
+def test_ctrl_c_ends_every_rank_with_one_line_naming_the_checkpoint(tiny_setup, tmp_path, world, placement):
+    """SIGINT reaches every rank at once, as from a terminal's Ctrl-C: no traceback, exit code 130,
+    and rank 0 says where the run stands and how to resume it."""
+    out = tmp_path / "run"
+    args = tiny_args(tiny_setup, out, *placement, "--save-every", "2")
+    args[args.index("--max-steps") + 1] = "100000"
+    procs = start_ranks(args, world, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 240
+        while latest_checkpoint(out) is None:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no checkpoint was written"
+            time.sleep(0.02)
+        for p in procs:
+            p.send_signal(signal.SIGINT)
+        err = procs[0].communicate(timeout=60)[1]
+        codes = [p.wait(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert codes == [130] * world, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    lines = [line for line in err.splitlines() if "interrupted at step " in line]
+    assert len(lines) == 1, err[-3000:]
+    newest = latest_checkpoint(out)
+    assert lines[0].endswith(f"; the newest checkpoint is {newest}: resume with the same command plus --resume")
+
+
+def test_an_interrupt_before_any_checkpoint_says_how_to_keep_one(tmp_path):
+    from dflash.train import Interrupted
+    from train_drafter import interrupted_line
+
+    config = SimpleNamespace(train=SimpleNamespace(output_dir=str(tmp_path)))
+    assert interrupted_line(config, Interrupted(3)) == (
+        "interrupted at step 3; no checkpoint was saved (pass --save-every N to keep one every N steps): start "
+        "again with the same command plus --overwrite")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import run_trainer
+from conftest import run_trainer, tiny_args
 from tiny_tokenizer import make_tiny_tokenizer
 
 
@@ -44,6 +44,7 @@ def test_one_percent_bad_samples_train_on_the_rest_and_a_reused_output_dir_is_re
             "--report-to", "none", "--eval-prompts", "0"]
     proc = run_trainer(args)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "trained 2 steps, skipped 0 in" in proc.stderr
     assert "skipped 1 bad samples of 100 ({'empty assistant turn': 1})" in proc.stderr
     assert f"{data}:100" in (out / "data" / "train" / "bad_samples.txt").read_text()
 
@@ -53,3 +54,33 @@ def test_one_percent_bad_samples_train_on_the_rest_and_a_reused_output_dir_is_re
     fresh = run_trainer([*args, "--overwrite"])
     assert fresh.returncode == 0, fresh.stderr[-3000:]
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_a_run_that_skips_most_of_its_steps_stops_naming_the_cause_and_the_checkpoint(tiny_setup, tmp_path):
+    """--lr 1e30: the first step blows the weights up and every later loss is NaN, so the guard
+    skips each step; the run stops at the 4th attempt (3 of 4 skipped) instead of skipping to the
+    end and exporting the blown-up drafter under "trained 8 steps"."""
+    from conftest import tiny_args
+
+    proc = run_trainer(tiny_args(tiny_setup, tmp_path, "--lr", "1e30", "--save-every", "1"))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    for fragment in ("training stopped: 3 of the last 4 optimizer steps were skipped",
+                     "trained 1 step, skipped 3 in all", "(--lr 1e+30): start again with a lower --lr",
+                     f"The newest checkpoint is {tmp_path / 'checkpoints' / 'step_1'}"):
+        assert fragment in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "drafter").exists()
+
+
+def test_precision_bf16_trains_on_cpu(tiny_setup, tmp_path):
+    """DeepSpeed's bf16 engine runs on CPU over gloo: --precision bf16 there trains like on a GPU."""
+    import torch
+
+    args = tiny_args(tiny_setup, tmp_path, "--precision", "bf16", "--save-every", "3")
+    args[args.index("--max-steps") + 1] = "3"
+    proc = run_trainer(args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3] and all(r["loss"] > 0 for r in records)
+    weights = torch.load(tmp_path / "checkpoints" / "step_3" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert {str(w.dtype) for w in weights["module"].values()} == {"torch.bfloat16"}

@@ -187,7 +187,7 @@ GOOD = json.dumps(SAMPLES[0])
         (['{"text": "hi"}'], 1, "'messages'"),
         (['{"prompt": "a"}'], 1, "'response' must be a string"),
         (['{"prompt": "a", "response": 3}'], 1, "'response' must be a string"),
-        ([json.dumps({"prompt": "a", "response": "b", **chat(("assistant", "x"))})], 1, "either"),
+        ([json.dumps({"prompt": "a", "response": "b", **chat(("assistant", "x"))})], 1, "exactly one of"),
         (['{"messages": []}'], 1, "non-empty list"),
         (['{"messages": "hi"}'], 1, "non-empty list"),
         (['{"messages": ["hi"]}'], 1, "messages[0] must be an object"),
@@ -594,3 +594,10 @@ def test_data_tools_prepare_the_shard_the_run_reuses_and_report_stats(tmp_path, 
     assert (out / "data" / "train" / "manifest.json").read_text() == manifest
     assert data_main(["stats", "--output-dir", str(out), "--max-length", "0"]) == 2
     assert data_main(["frobnicate"]) == 2
+
+
+def test_a_folder_without_tokenizer_files_is_named_as_such(tmp_path):
+    """Not blamed on the chat template: the folder has no tokenizer at all."""
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(DataError, match="holds no tokenizer files"):
+        load_tokenizer(tmp_path)

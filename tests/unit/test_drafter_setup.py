@@ -45,6 +45,19 @@ def test_auto_fields_are_filled_from_the_flags():
     assert train_dtype(SimpleNamespace(train=train), torch.device("cuda")) == torch.bfloat16
 
 
+def test_precision_bf16_on_cpu_enables_bf16_and_a_contradicting_config_is_refused(tmp_path):
+    from dflash.config import ConfigError
+
+    train = SimpleNamespace(deepspeed_config=None, grad_accum=1, grad_clip=1.0, precision="bf16")
+    assert deepspeed_config(SimpleNamespace(train=train), torch.device("cpu"))["bf16"]["enabled"] is True
+    fixed = tmp_path / "fp32.json"
+    fixed.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": False}}))
+    train.deepspeed_config = str(fixed)
+    with pytest.raises(ConfigError, match=f"--deepspeed-config {fixed}: bf16.enabled is False but the run trains "
+                                          r"in bf16 \(--precision bf16\)"):
+        deepspeed_config(SimpleNamespace(train=train), torch.device("cpu"))
+
+
 def test_bf16_training_keeps_fp32_master_weights_and_moments():
     proc = subprocess.run([sys.executable, "-c", ENGINE_PRECISION, str(free_port())], cwd=REPO, capture_output=True,
                           text=True, timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu", "LOCAL_RANK": "0"})

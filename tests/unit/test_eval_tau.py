@@ -78,3 +78,42 @@ def test_prompt_only_held_out_files_give_the_same_prompts(tmp_path):
                            "--eval-data", str(prompt_only), "--output-dir", str(tmp_path / "run")])
     assert config.data.eval_data == str(prompt_only)
     check_eval_flags(str(prompt_only), 8, 16, "float32", EVAL_FLAGS, min_prompts=1)
+
+
+def test_a_drafter_that_memorised_its_samples_is_told_apart(tmp_path):
+    """train_tau (the chain walk over training samples) against the held-out tau: a drafter fitted
+    to 8 training samples scores far higher on them than on held-out prompts."""
+    from dflash.data import TokenDataset, load_tokenizer, prepare_dataset
+    from dflash.demo import DEMO_HELDOUT_DATA, DEMO_TARGET_DIR, DEMO_TRAIN_DATA
+    from dflash.drafter_step import DrafterStep, StepSettings
+    from dflash.model import DFlashDrafter, drafter_config
+    from dflash.objective import slot_weights
+    from dflash.periodic_eval import TauProbe, memorising
+    from dflash.target import FrozenTarget, default_target_layer_ids, resolve_mask_token_id
+
+    tokenizer = load_tokenizer(DEMO_TARGET_DIR)
+    layers = default_target_layer_ids(8, 3)
+    target = FrozenTarget.load(str(DEMO_TARGET_DIR), layers, torch.float32, torch.device("cpu"))
+    dataset = TokenDataset(prepare_dataset(DEMO_TRAIN_DATA, tokenizer, tmp_path / "shard", 256))
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(drafter_config(target.model.config, 1, layers, 8,
+                                           resolve_mask_token_id(tokenizer, target.model.config, None)))
+    step = DrafterStep(drafter, target.embed_tokens, target.lm_head,
+                       StepSettings(max_anchors=32, slot_weights=slot_weights(8, 4.0), attention_backend="sdpa"))
+    samples = [dataset[i] for i in range(8)]
+    width = max(len(ids) for ids, _ in samples)
+    input_ids = torch.full((8, width), tokenizer.pad_token_id)
+    loss_mask = torch.zeros((8, width), dtype=torch.bool)
+    for row, (ids, mask) in enumerate(samples):
+        input_ids[row, :len(ids)], loss_mask[row, :len(ids)] = torch.from_numpy(ids), torch.from_numpy(mask)
+    features = target.features(input_ids).features
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        step.loss(step.sample_blocks(input_ids, loss_mask, generator), features).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    probe = TauProbe(target, tokenizer, str(DEMO_HELDOUT_DATA), 8, 48, 8, dataset)
+    assert [len(p) + len(r) for p, r, _ in probe.train_sequences] == [len(ids) for ids, _ in samples]
+    result = probe.measure(drafter)
+    assert memorising(result["train_tau"], result["tau"]), result

@@ -1,10 +1,13 @@
-"""The logging window: rates from summed counts, and the progress line users read."""
+"""The logging window: rates from summed counts, the progress line users read, and metrics.jsonl
+holding each step once after a resume."""
 
 from __future__ import annotations
 
+import json
+
 import torch
 
-from dflash.metrics import WindowMetrics, progress_line
+from dflash.metrics import MetricsLogger, WindowMetrics, progress_line
 from dflash.objective import LossOutput
 
 
@@ -39,3 +42,12 @@ def test_progress_line_names_epoch_and_fraction():
     quiet = {k: v for k, v in record.items() if k not in ("tau", "mfu", "grad_norm")}
     line = progress_line({**quiet, "skipped_micro_batches": 0, "skipped_steps": 0, "queue_depths": {}}, 600)
     assert "tau" not in line and "skipped" not in line and "queues" not in line and "MFU" not in line
+
+
+def test_a_resumed_run_replaces_the_lines_after_its_checkpoint(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": step}) + "\n" for step in range(1, 5)) + '{"step": 5, "lo')
+    logger = MetricsLogger(tmp_path, "none", "disabled", {}, enabled=True, start_step=2)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+    logger.log({"step": 3})
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]

@@ -69,3 +69,36 @@ def test_a_non_finite_gradient_behind_a_finite_loss_is_skipped_by_the_engine():
     for stage in ("1", "2"):
         assert report[stage] == {"loss_finite": True, "weights_moved": False, "moments_moved": False,
                                  "lr_moved": False, "skipped_steps": 1}, (stage, report[stage])
+
+
+def test_a_run_stops_once_more_than_half_of_its_recent_steps_were_skipped():
+    from dflash.spike import too_many_skipped
+
+    assert not too_many_skipped([True] * 3), "three steps are no verdict"
+    assert not too_many_skipped([False, False, True, True]), "half is not more than half"
+    assert too_many_skipped([False, True, True, True])
+    assert too_many_skipped([False, False, True, True, True])
+    assert not too_many_skipped([True] * 10 + [False] * 20), "only the last 20 steps count"
+    assert too_many_skipped([False] * 100 + [True] * 11)
+    assert not too_many_skipped([False] * 100 + [True] * 10)
+
+
+def test_the_tally_counts_trained_and_skipped_steps_and_names_the_cause():
+    from pathlib import Path
+
+    from dflash.spike import StepTally
+
+    tally = StepTally()
+    tally.add(1, None)
+    tally.add(2, "with a loss not finite or a spike")
+    tally.add(2, "with a loss not finite or a spike")
+    assert not tally.failing and tally.summary() == "1 step, skipped 2"
+    tally.add(3, "with a gradient norm not finite")
+    assert tally.failing
+    message = str(tally.error(1e9, Path("runs/x/checkpoints/step_1")))
+    assert message.startswith("training stopped: 3 of the last 4 optimizer steps were skipped (2 with a loss not "
+                              "finite or a spike, 1 with a gradient norm not finite), the first at step 2; trained "
+                              "1 step, skipped 3 in all."), message
+    assert "(--lr 1e+09): start again with a lower --lr (and --overwrite); else bad data" in message
+    assert message.endswith("The newest checkpoint is runs/x/checkpoints/step_1")
+    assert "No checkpoint was saved (--save-every N" in str(tally.error(1e9, None))
