@@ -18,13 +18,14 @@ import threading
 import traceback
 from pathlib import Path
 
-from dflash.checkpoint import CheckpointError, latest_checkpoint
-from dflash.config import ConfigError, RunConfig, parse_config
-from dflash.data import DataError
-from dflash.files import StorageError
-from dflash.spike import SkippedStepsError
-from dflash.target import TargetError
-from dflash.topology import TopologyError
+from dflash.config import RunConfig, parse_config
+from dflash.data.chat_formats import DataError
+from dflash.placement.topology import TopologyError
+from dflash.target.frozen import TargetError
+from dflash.training.checkpoint import CheckpointError, latest_checkpoint
+from dflash.training.spike import SkippedStepsError
+from dflash.util.cli import ConfigError
+from dflash.util.files import StorageError
 
 logger = logging.getLogger("train_drafter")
 USER_ERRORS = (ConfigError, DataError, TargetError, TopologyError, CheckpointError, StorageError, SkippedStepsError)
@@ -56,7 +57,7 @@ def final_evaluation(config, result, device) -> None:
     """Untrained vs trained drafter on held-out prompts, by real speculative decoding."""
     import torch
 
-    from dflash.eval import check_lossless, evaluate_drafters, write_reports
+    from dflash.eval.evaluate import check_lossless, evaluate_drafters, write_reports
 
     reports = evaluate_drafters(
         config.model.target, config.model.tokenizer,
@@ -75,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    from dflash.distributed import abandon, exit_now, init_distributed, shutdown
-    from dflash.train import train
+    from dflash.placement.distributed import abandon, exit_now, init_distributed, shutdown
+    from dflash.training.run import train
 
     ranks = init_distributed(config.train.device, config.train.dist_timeout_minutes)
     try:

@@ -17,18 +17,15 @@ import torch
 import yaml
 from transformers import HfArgumentParser
 
-from dflash.cli import cli_parser
-from dflash.data import load_chat_jsonl
+from dflash.data.chat_formats import load_chat_jsonl
 from dflash.demo import DEMO_HELDOUT_DATA, DEMO_TARGET_DIR, DEMO_TRAIN_DATA
-from dflash.files import output_dir_problem
-from dflash.gguf_target import is_model_path
+from dflash.target.gguf import is_model_path
+from dflash.util.cli import ConfigError, cli_parser
+from dflash.util.files import output_dir_problem
+
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_BUCKETS = [0, 770, 1216, 1728, 2432, 3296, 8192]
-
-
-class ConfigError(ValueError):
-    """A flag value that cannot work, named with the fix."""
 
 
 @dataclass

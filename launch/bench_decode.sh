@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Decoding and regeneration speed of a target on one GPU, HF's path against the static-cache one:
-# batch-1 greedy and speculative cycles (dflash.decode_benchmark), then batched regeneration
+# batch-1 greedy and speculative cycles (dflash.benchmarks.decode), then batched regeneration
 # tokens/s with --engine hf on a few prompts and --engine fast on all of them.
 #   TARGET=model.gguf PROMPTS=train_prompts.jsonl HELDOUT=heldout.jsonl RUN_DIR=runs/bench_decode bash launch/bench_decode.sh
 # Knobs: HF_LIMIT=128 (prompts for the slow HF engine), LIMIT=0 (fast engine: 0 = all),
@@ -11,7 +11,7 @@ PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)
 : "${TARGET:?set TARGET}" "${PROMPTS:?set PROMPTS}" "${HELDOUT:?set HELDOUT}"
 OUT=${RUN_DIR:-runs/bench_decode}
 mkdir -p "$OUT"
-"$PY" -m dflash.decode_benchmark --target "$TARGET" --prompts "$HELDOUT" --num-prompts 16 --plain-prompts 2 \
+"$PY" -m dflash.benchmarks.decode --target "$TARGET" --prompts "$HELDOUT" --num-prompts 16 --plain-prompts 2 \
   --output "$OUT/decode.json"
 for engine in hf fast; do
   limit=$([ $engine = hf ] && echo "${HF_LIMIT:-128}" || echo "${LIMIT:-0}")

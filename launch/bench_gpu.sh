@@ -11,15 +11,15 @@ PY=${PYTHON:-.venv/bin/python}
 RES=${RESULTS:-runs/bench/results}
 BENCH=${BENCH_DIR:-runs/bench}
 mkdir -p "$RES"
-[ -f "$BENCH/assets/target/config.json" ] || "$PY" -m dflash.bench_assets --out "$BENCH/assets" > "$RES/assets.log" 2>&1
+[ -f "$BENCH/assets/target/config.json" ] || "$PY" -m dflash.benchmarks.assets --out "$BENCH/assets" > "$RES/assets.log" 2>&1
 second=$(( $("$PY" -c 'import torch; print(torch.cuda.device_count())') > 1 ? 1 : 0 ))
-e2e() { "$PY" -m dflash.e2e_benchmark --out "$BENCH" --steps "${STEPS:-40}" "$@"; }
+e2e() { "$PY" -m dflash.benchmarks.e2e --out "$BENCH" --steps "${STEPS:-40}" "$@"; }
 (
   export CUDA_VISIBLE_DEVICES=0
   if [ -z "${SKIP_STEP_BENCH:-}" ]; then
-    "$PY" -m dflash.benchmark --output "$RES/step_fast.json" > "$RES/step_fast.log" 2>&1
-    "$PY" -m dflash.benchmark --kernels naive --output "$RES/step_naive.json" > "$RES/step_naive.log" 2>&1
-    "$PY" -m dflash.benchmark --memory-sweep --output "$RES/memory_sweep.json" > "$RES/memory_sweep.log" 2>&1
+    "$PY" -m dflash.benchmarks.step --output "$RES/step_fast.json" > "$RES/step_fast.log" 2>&1
+    "$PY" -m dflash.benchmarks.step --kernels naive --output "$RES/step_naive.json" > "$RES/step_naive.log" 2>&1
+    "$PY" -m dflash.benchmarks.step --memory-sweep --output "$RES/memory_sweep.json" > "$RES/memory_sweep.log" 2>&1
   fi
   e2e --kernels fast --profile-steps 0 --emulate-gb 80 --output "$RES/e2e_80gb.json" > "$RES/e2e_80gb.log" 2>&1
   rm -f "$BENCH/regen.jsonl" "$BENCH/regen.jsonl.partial"

@@ -16,7 +16,7 @@ N=${NUM_GPUS:-8}
 STEPS=${STEPS:-60}
 SAVE=$((STEPS / 2))
 if [ -z "${TARGET:-}" ]; then
-  [ -f "$OUT/assets/target/config.json" ] || "$PY" -m dflash.bench_assets --out "$OUT/assets"
+  [ -f "$OUT/assets/target/config.json" ] || "$PY" -m dflash.benchmarks.assets --out "$OUT/assets"
 fi
 common=(--target "${TARGET:-$OUT/assets/target}" --train-data "${DATA:-$OUT/assets/train.jsonl}" --max-steps "$STEPS" --log-every 5
         --eval-prompts 0 --report-to none --max-length "${MAX_LENGTH:-3072}" --transport-timeout-s 600 --overwrite "$@")
@@ -63,4 +63,4 @@ diff = max(abs(straight[s] - resumed[s]) for s in after)
 print(f"resume: logged steps {after} after the checkpoint at step {sys.argv[3]}, max |loss difference| "
       f"against the uninterrupted run {diff:.3g}")
 EOF
-"$PY" -m dflash.throughput "${runs[@]}"
+"$PY" -m dflash.tools.throughput "${runs[@]}"

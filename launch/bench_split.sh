@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 OUT=${OUT_DIR:-runs/bench}
-[ -f "$OUT/assets/target/config.json" ] || "$PY" -m dflash.bench_assets --out "$OUT/assets"
+[ -f "$OUT/assets/target/config.json" ] || "$PY" -m dflash.benchmarks.assets --out "$OUT/assets"
 common=(--target "$OUT/assets/target" --train-data "$OUT/assets/train.jsonl" --max-steps "${STEPS:-60}"
         --log-every 10 --eval-prompts 0 --report-to none --max-length 3072 --max-tokens "${MAX_TOKENS:-3072}"
         --transport-timeout-s 600 "$@")
@@ -14,4 +14,4 @@ run2() { "$PY" -m torch.distributed.run --nproc_per_node 2 --master_port "${MAST
 "$PY" train_drafter.py --output-dir "$OUT/colocated-x1" "${common[@]}"
 run2 --target-ranks colocated --output-dir "$OUT/colocated-x2" "${common[@]}"
 run2 --target-ranks 1 --output-dir "$OUT/split-1+1" "${common[@]}"
-"$PY" -m dflash.throughput "$OUT/colocated-x1" "$OUT/colocated-x2" "$OUT/split-1+1"
+"$PY" -m dflash.tools.throughput "$OUT/colocated-x1" "$OUT/colocated-x2" "$OUT/split-1+1"

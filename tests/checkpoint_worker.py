@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from conftest import tiny_drafter, tiny_target
-from dflash import checkpoint
-from dflash.topology import DrafterParallelism, drafter_groups, plan_topology
+from dflash.placement.topology import DrafterParallelism, drafter_groups, plan_topology
+from dflash.training import checkpoint
 
 
 def main(faults: list[str], root: str) -> None:

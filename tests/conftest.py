@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from dflash.model import DFlashDrafter, drafter_config
-from dflash.target import FrozenTarget, default_target_layer_ids
+from dflash.drafter.model import DFlashDrafter, drafter_config
+from dflash.target.frozen import FrozenTarget, default_target_layer_ids
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 97

@@ -19,10 +19,10 @@ import torch.distributed as dist
 from deepspeed.utils import safe_get_full_grad
 
 from conftest import MASK_ID, tiny_drafter, tiny_target
-from dflash.attention import BlockLayout
-from dflash.drafter_step import DrafterStep, StepSettings
-from dflash.objective import LossDenominators, LossTerms, build_blocks
-from dflash.topology import DrafterParallelism, drafter_groups, plan_topology
+from dflash.drafter.attention import BlockLayout
+from dflash.drafter.objective import LossDenominators, LossTerms, build_blocks
+from dflash.drafter.step import DrafterStep, StepSettings
+from dflash.placement.topology import DrafterParallelism, drafter_groups, plan_topology
 
 STEPS = 2
 STAGES = (1, 2)

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from dflash.demo import DEMO_HELDOUT_DATA, DEMO_TARGET_DIR, DEMO_TRAIN_DATA
 from dflash.demo.corpus import PROMPT_LINES, SnippetSampler, load_sources, user_prompt
-from dflash.distributed import pick_device
+from dflash.util.runtime import pick_device
 
 logger = logging.getLogger(__name__)
 

@@ -27,16 +27,9 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from dflash.demo import DEMO_TARGET_DIR
-from dflash.demo.corpus import (
-    CHAT_TEMPLATE,
-    PROMPT_LINES,
-    RESPONSE_LINES,
-    SnippetSampler,
-    SourceFile,
-    load_sources,
-    user_prompt,
-)
-from dflash.distributed import pick_device
+from dflash.demo.corpus import (CHAT_TEMPLATE, PROMPT_LINES, RESPONSE_LINES, SnippetSampler, SourceFile, load_sources,
+                                user_prompt)
+from dflash.util.runtime import pick_device
 
 logger = logging.getLogger(__name__)
 

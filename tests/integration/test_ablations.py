@@ -10,7 +10,7 @@ from conftest import tiny_args
 
 
 def test_a_small_sweep_trains_what_is_missing_and_tabulates_tau(tiny_setup, tmp_path, monkeypatch):
-    from dflash import ablations
+    from dflash.tools import ablations
 
     monkeypatch.setattr(ablations, "GROUPS", {
         "anchors": [("random", []), ("stride", ["--anchors", "stride"])],

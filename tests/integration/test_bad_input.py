@@ -8,7 +8,7 @@ import torch
 
 import train_drafter
 from conftest import tiny_causal_lm
-from dflash.target import TargetError, resolve_mask_token_id
+from dflash.target.frozen import TargetError, resolve_mask_token_id
 from tiny_tokenizer import make_tiny_tokenizer
 
 
@@ -94,7 +94,7 @@ def test_deepspeed_launcher_local_rank_flag_is_accepted():
 
 
 def test_impossible_placements():
-    from dflash.topology import TopologyError, plan_topology
+    from dflash.placement.topology import TopologyError, plan_topology
 
     for count in (0, 4, 5):
         with pytest.raises(TopologyError, match=f"--target-ranks {count} with 4 processes"):
@@ -145,7 +145,7 @@ def test_a_bad_eval_file_is_refused_before_training(capsys, paths):
 
 
 def eval_fails_with(capsys, argv: list[str], *fragments: str) -> None:
-    from dflash import eval as dflash_eval
+    from dflash.eval import __main__ as dflash_eval
 
     assert dflash_eval.main(argv) == 2
     err = capsys.readouterr().err
@@ -156,7 +156,7 @@ def eval_fails_with(capsys, argv: list[str], *fragments: str) -> None:
 
 def test_eval_answers_bad_prompts_and_bad_drafter_folders_in_one_line(capsys, tmp_path):
     from conftest import tiny_drafter, tiny_target
-    from dflash.export import WEIGHTS_NAME, export_drafter
+    from dflash.drafter.export import WEIGHTS_NAME, export_drafter
 
     bad_prompts = tmp_path / "prompts.jsonl"
     bad_prompts.write_text('{"messages": [{"role": "robot", "content": "x"}]}\n')
@@ -173,7 +173,7 @@ def test_eval_answers_bad_prompts_and_bad_drafter_folders_in_one_line(capsys, tm
 
 def test_a_truncated_target_weight_file_is_named(tmp_path):
     from conftest import tiny_causal_lm
-    from dflash.target import FrozenTarget
+    from dflash.target.frozen import FrozenTarget
 
     folder = tmp_path / "target"
     tiny_causal_lm().save_pretrained(folder)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import REPO, free_port, tiny_drafter, tiny_target
-from dflash.checkpoint import STATE_FILE, checkpoint_dir, latest_checkpoint
+from dflash.training.checkpoint import STATE_FILE, checkpoint_dir, latest_checkpoint
 
 
 def start_worker(faults: str, root: Path) -> subprocess.Popen:
@@ -86,8 +86,8 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_usable(tmp_path):
 
 
 def test_export_on_a_full_disk_keeps_the_earlier_export(tmp_path, monkeypatch):
-    from dflash import export
-    from dflash.files import StorageError
+    from dflash.drafter import export
+    from dflash.util.files import StorageError
 
     drafter = tiny_drafter(tiny_target("qwen3", dtype=torch.float32)).float()
     out = export.export_drafter(drafter, tmp_path / "drafter")

@@ -12,8 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash.data import TokenDataset, load_tokenizer, prepare_dataset
-from dflash.data_tools import main as data_main
+from dflash.data.__main__ import main as data_main
+from dflash.data.dataset import TokenDataset
+from dflash.data.prepare import prepare_dataset
+from dflash.data.tokenization import load_tokenizer
 from dflash.demo import DEMO_TARGET_DIR, DEMO_TRAIN_DATA
 from tiny_tokenizer import IM_END, make_tiny_tokenizer
 

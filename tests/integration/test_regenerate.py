@@ -11,10 +11,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dflash.data import (TokenDataset, load_chat_jsonl, load_tokenizer, prepare_dataset, prompt_ids, prompt_messages,
-                         tokenize_conversation)
+from dflash.data.chat_formats import load_chat_jsonl
+from dflash.data.dataset import TokenDataset
+from dflash.data.prepare import prepare_dataset
+from dflash.data.regenerate import main as regenerate_main
+from dflash.data.tokenization import load_tokenizer, prompt_ids, prompt_messages, tokenize_conversation
 from dflash.demo import DEMO_HELDOUT_DATA, DEMO_TARGET_DIR
-from dflash.regenerate import main as regenerate_main
 
 NEW_TOKENS = 24
 
@@ -83,8 +85,8 @@ def test_bad_flags_get_one_line(tmp_path, capsys):
 
 
 def test_engine_choice_and_a_missing_vllm(tmp_path, capfd, monkeypatch):
-    import dflash.regenerate as regen
-    from dflash.regenerate import RegenerateArgs, fast_generate, hf_generate, pick_engine
+    import dflash.data.regenerate as regen
+    from dflash.data.regenerate import RegenerateArgs, fast_generate, hf_generate, pick_engine
 
     monkeypatch.setattr(regen, "vllm_available", lambda: False)
     args = RegenerateArgs(target=str(DEMO_TARGET_DIR), prompts=str(DEMO_HELDOUT_DATA), output=str(tmp_path / "o"))

@@ -8,7 +8,7 @@ import numpy as np
 from PIL import Image
 
 from conftest import run_trainer, tiny_args
-from dflash.report import PLOTS, main as report_main
+from dflash.tools.report import PLOTS, main as report_main
 
 
 def test_periodic_tau_is_logged_and_the_report_draws_every_plot(tiny_setup, tmp_path):

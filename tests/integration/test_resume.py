@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import run_trainer, start_ranks, tiny_args
-from dflash.checkpoint import STATE_FILE, CheckpointError, latest_checkpoint
+from dflash.training.checkpoint import STATE_FILE, CheckpointError, latest_checkpoint
 
 STEPS = 12
 
@@ -76,12 +76,12 @@ def test_sigkill_and_resume_reproduces_the_uninterrupted_run(tiny_setup, tmp_pat
 @pytest.mark.parametrize("before, after", [(2, 1), (1, 2)], ids=["2-to-1", "1-to-2"])
 def test_resume_on_another_number_of_drafter_ranks(tmp_path, before, after):
     """A node lost or added: the ZeRO-sharded state is resharded through DeepSpeed's universal
-    layout, the epoch continues over the samples not yet used (tests/unit/test_sampler.py pins that
+    layout, the epoch continues over the samples not yet used (tests/unit/data/test_sampler.py pins that
     exactly), the learning rate stays on its curve and the loss goes on without a jump. On the
     demo target and data, which a drafter learns quickly (random data would not show a jump)."""
     import torch
 
-    from dflash.schedules import LRSchedule
+    from dflash.training.schedules import LRSchedule
 
     steps, out = 24, tmp_path / "run"
     args = ["--output-dir", str(out), "--max-steps", str(steps), "--save-every", "12", "--log-every", "1",
@@ -155,7 +155,7 @@ def test_resume_skips_damaged_checkpoints_names_them_and_logs_each_step_once(tin
 
 
 def test_resume_with_every_checkpoint_damaged_is_one_clear_error(tmp_path):
-    from dflash.drafter_setup import resume_point
+    from dflash.training.drafter_setup import resume_point
 
     assert resume_point(tmp_path, log=True) is None  # nothing saved: the run starts from scratch
     for step in (2, 4):
@@ -206,7 +206,7 @@ def test_ctrl_c_ends_every_rank_with_one_line_naming_the_checkpoint(tiny_setup, 
 
 
 def test_an_interrupt_before_any_checkpoint_says_how_to_keep_one(tmp_path):
-    from dflash.train import Interrupted
+    from dflash.training.run import Interrupted
     from train_drafter import interrupted_line
 
     config = SimpleNamespace(train=SimpleNamespace(output_dir=str(tmp_path)))

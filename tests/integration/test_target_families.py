@@ -11,10 +11,10 @@ import pytest
 import torch
 import transformers
 
-import dflash.speculative as speculative
+import dflash.eval.speculative as speculative
 from conftest import run_trainer, tiny_args, write_chat_jsonl
-from dflash.static_target import FAST_FAMILIES, fast_decoding_supported
-from dflash.target import FrozenTarget, TargetError, default_target_layer_ids, load_target_config
+from dflash.target.frozen import FrozenTarget, TargetError, default_target_layer_ids, load_target_config
+from dflash.target.static import FAST_FAMILIES, fast_decoding_supported
 from tiny_tokenizer import make_tiny_tokenizer
 
 WINDOW = 6

@@ -1,0 +1,84 @@
+"""Data tools run ahead of a launch, with the same flags as train_drafter.py:
+
+    python -m dflash.data prepare --target /models/Qwen3-8B --train-data chats.jsonl --output-dir runs/x
+    python -m dflash.data stats   --target /models/Qwen3-8B --train-data chats.jsonl --output-dir runs/x
+
+`prepare` tokenizes into <output-dir>/data/train, the shard the run with those flags then reuses
+(so a long preparation does not hold the launched ranks), and de-quantizes a GGUF --target into
+<output-dir>/target-hf for the same reason. `stats` tokenizes too (it needs no target weights), then
+reports the length histogram against the buckets, the loss-token share, what was truncated or skipped,
+anchors per sequence and the steps per epoch for 1 and 8 drafter ranks.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from dflash.config import RunConfig, parse_config
+from dflash.data.chat_formats import DataError
+from dflash.data.dataset import TokenDataset
+from dflash.data.sampler import RankAwareBucketSampler
+from dflash.data.tokenization import load_tokenizer
+from dflash.target.frozen import TargetError
+from dflash.target.gguf import resolve_target, run_target_dir
+from dflash.training.shard import prepare_train_shard
+from dflash.util.cli import ConfigError
+from dflash.util.runtime import setup_logging
+
+
+COMMANDS = ("prepare", "stats")
+
+
+def stats_report(config: RunConfig, dataset: TokenDataset) -> str:
+    manifest = dataset.manifest
+    counts = manifest["stats"]
+    lengths = dataset.lengths
+    bounds = config.data.bucket_boundaries
+    bucket = np.clip(np.searchsorted(bounds, lengths, side="right") - 1, 0, len(bounds) - 1)
+    anchors = np.minimum(dataset.anchor_candidates(), config.train.max_anchors)
+    lines = [
+        f"{config.data.train_data}: {counts['samples_read']} samples read, {counts['samples_kept']} kept, "
+        f"{counts['samples_truncated']} truncated and {counts['samples_dropped']} dropped at --max-length "
+        f"{config.data.max_length}, {counts['samples_bad']} bad skipped {counts['bad_reasons'] or ''}".rstrip(),
+        f"tokens: {manifest['num_tokens']:,} in all, {counts['num_loss_tokens'] / max(manifest['num_tokens'], 1):.1%} "
+        f"of them trained on (assistant tokens); length p10/p50/p90/max "
+        f"{'/'.join(str(int(v)) for v in np.quantile(lengths, [0.1, 0.5, 0.9, 1.0]))}",
+        f"anchors per sequence (at most --max-anchors {config.train.max_anchors}): mean {anchors.mean():.0f}, "
+        f"{(anchors == config.train.max_anchors).mean():.0%} of sequences at the maximum",
+        "buckets (--bucket-boundaries): from length -> sequences, share of tokens",
+    ]
+    for b, start in enumerate(bounds):
+        members = bucket == b
+        lines.append(f"  {start:>6}: {int(members.sum()):>8} sequences, {lengths[members].sum() / lengths.sum():6.1%}")
+    for ranks in (1, 8):
+        sampler = RankAwareBucketSampler(lengths, bounds, config.data.max_tokens, num_replicas=ranks,
+                                         seed=config.train.seed)
+        steps = -(-sampler.steps_per_epoch() // config.train.grad_accum)
+        lines.append(f"steps per epoch with {ranks} drafter rank(s), --max-tokens {config.data.max_tokens}: {steps} "
+                     "(on a GPU the draft-position budget can cut micro-batches further)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in COMMANDS:
+        print(f"usage: python -m dflash.data {{{'|'.join(COMMANDS)}}} [train_drafter.py flags]", file=sys.stderr)
+        return 2
+    setup_logging(0)
+    try:
+        config = parse_config(argv[1:], for_training=False)
+        shard = prepare_train_shard(config, load_tokenizer(config.model.tokenizer))
+        if argv[0] == "prepare":  # a GGUF target's conversion too, which the launched run then reuses
+            resolve_target(config.model.target, run_target_dir(config.train.output_dir))
+        if argv[0] == "stats":
+            print(stats_report(config, TokenDataset(shard)))
+    except (ConfigError, DataError, TargetError) as err:  # a user's mistake: one line, no traceback
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,294 @@
+"""Chat JSONL -> a tokenized shard directory, in parallel, with progress: prepare_dataset.
+
+Reused when up to date (same source, tokenizer and settings); written to a staging folder and
+renamed into place; bad samples skipped (listed in the shard's bad_samples.txt) or fatal; files
+of 8 MB and more tokenized by a spawned process pool, in file order, so the shard is the same.
+Reading a shard: dflash/data/dataset.py; its files and manifest: dflash/data/shards.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dflash.data.chat_formats import DataError, SampleError, iter_lines, parse_line
+from dflash.data.shards import (BAD_SAMPLES_FILE, FORMAT_VERSION, IDS_FILE, LOSS_MASK_FILE, MANIFEST, PrepareStats,
+                                check_data_files, read_manifest, write_index_and_manifest)
+from dflash.data.tokenization import LOSS_TURNS, MAX_CHARS_PER_TOKEN, require_chat_template, tokenize_conversation
+from dflash.util.files import replace_dir, staging_dir
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+
+OVERFLOW_POLICIES = ("truncate", "drop")
+BAD_SAMPLE_POLICIES = ("skip", "error")
+
+PARALLEL_FROM_BYTES = 8 * 2**20  # smaller files are tokenized in one process
+PROGRESS_EVERY_S = 10.0
+
+
+def prepare_dataset(
+    jsonl_path: str | Path,
+    tokenizer: PreTrainedTokenizerBase,
+    out_dir: str | Path,
+    max_length: int,
+    overflow: str = "truncate",
+    on_bad_sample: str = "skip",
+    max_bad_fraction: float = 0.01,
+    workers: int = 0,
+    loss_turns: str = "last",
+) -> Path:
+    """Tokenize a chat JSONL file into a shard directory and return its path (`workers`
+    processes; 0: `default_prepare_workers`).
+
+    A shard that is already up to date for this source file, tokenizer and
+    settings is reused. The shard is written to a temporary directory and
+    renamed into place, so an interrupted run never leaves a valid-looking one.
+    Bad samples stop the preparation (`on_bad_sample="error"`) or are skipped, counted by
+    reason and listed with file:line in <shard>/bad_samples.txt, up to `max_bad_fraction`
+    of the samples read.
+    """
+    if overflow not in OVERFLOW_POLICIES:
+        raise DataError(f"--overflow must be one of {list(OVERFLOW_POLICIES)}, got {overflow!r}")
+    if on_bad_sample not in BAD_SAMPLE_POLICIES:
+        raise DataError(f"--on-bad-sample must be one of {list(BAD_SAMPLE_POLICIES)}, got {on_bad_sample!r}")
+    if max_length < 1:
+        raise DataError(f"--max-length must be a positive number of tokens, got {max_length}")
+    if loss_turns not in LOSS_TURNS:
+        raise DataError(f"--loss-turns must be one of {list(LOSS_TURNS)}, got {loss_turns!r}")
+    require_chat_template(tokenizer)
+    source, out = Path(jsonl_path), Path(out_dir)
+    settings = {
+        "format_version": FORMAT_VERSION,
+        "max_length": max_length,
+        "overflow": overflow,
+        "on_bad_sample": on_bad_sample,
+        "max_bad_fraction": max_bad_fraction,
+        "loss_turns": loss_turns,
+        "source": _source_identity(source),
+        "tokenizer": _tokenizer_identity(tokenizer),
+    }
+    if _is_up_to_date(out, settings):
+        logger.info("reusing prepared data in %s (same source, tokenizer and settings)", out)
+        return out
+    _check_replaceable(out)
+    staging = staging_dir(out)
+    try:
+        workers = workers or default_prepare_workers(source)
+        started = time.perf_counter()
+        stats, lengths = _write_token_files(staging, source, tokenizer, max_length, overflow,
+                                            on_bad_sample, max_bad_fraction, workers, loss_turns)
+        seconds = time.perf_counter() - started
+        logger.info("tokenized %d samples in %.1f s (%.0f samples/s, %d process%s)", stats.samples_read, seconds,
+                    stats.samples_read / max(seconds, 1e-9), workers, "es" if workers > 1 else "")
+        write_index_and_manifest(staging, lengths, stats, settings)
+        replace_dir(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    logger.info("prepared %s: %s", out, stats)
+    if stats.samples_bad:
+        logger.warning("%s: skipped %d bad samples of %d (%s); each is listed in %s", source, stats.samples_bad,
+                       stats.samples_read, stats.bad_reasons, out / BAD_SAMPLES_FILE)
+    return out
+
+
+def _source_identity(source: Path) -> dict[str, Any]:
+    """Path, size and mtime: enough to notice that the data file changed."""
+    try:
+        st = source.stat()
+    except OSError as err:
+        raise DataError(f"{source}: cannot read the data file ({err}); check the path") from err
+    return {"path": str(source.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
+    """Name, vocab length and a hash of vocab + template, since names can hide changes."""
+    content = json.dumps(
+        [sorted(tokenizer.get_vocab().items()), tokenizer.chat_template, tokenizer.all_special_tokens]
+    )
+    return {
+        "name_or_path": tokenizer.name_or_path,
+        "vocab_size": len(tokenizer),
+        "fingerprint": hashlib.sha256(content.encode()).hexdigest(),
+    }
+
+
+def _is_up_to_date(out: Path, settings: dict[str, Any]) -> bool:
+    try:
+        manifest = read_manifest(out)
+        check_data_files(out, manifest)
+    except DataError:
+        return False
+    return all(manifest.get(key) == value for key, value in settings.items())
+
+
+def _check_replaceable(out: Path) -> None:
+    """Refuse to overwrite anything that is not an empty directory or an earlier shard."""
+    if not out.exists():
+        return
+    if not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST).exists()):
+        raise DataError(f"{out}: exists and is not a prepared-data directory; "
+                        "choose another output directory or remove it")
+
+
+def _write_token_files(
+    staging: Path,
+    source: Path,
+    tokenizer: PreTrainedTokenizerBase,
+    max_length: int,
+    overflow: str,
+    on_bad_sample: str,
+    max_bad_fraction: float,
+    workers: int = 1,
+    loss_turns: str = "last",
+) -> tuple[PrepareStats, list[int]]:
+    """Stream every kept sample into ids.bin / loss_mask.bin; return stats and sample lengths.
+    Lines are tokenized by `workers` processes (in file order, so the shard is the same)."""
+    stats, lengths, bad = PrepareStats(), [], []
+    progress = _Progress(source)
+    with (staging / IDS_FILE).open("wb") as ids_file, (staging / LOSS_MASK_FILE).open("wb") as mask_file, \
+            _tokenized_lines(source, tokenizer, (max_length * MAX_CHARS_PER_TOKEN, loss_turns), workers) as results:
+        for result in results:
+            stats.samples_read += 1
+            progress.update(stats.samples_read)
+            if isinstance(result, SampleError):
+                if on_bad_sample == "error":
+                    raise DataError(f"{result} (--on-bad-sample skip would skip it)") from result
+                bad.append((result.reason, str(result)))
+                stats.bad_reasons[result.reason] = stats.bad_reasons.get(result.reason, 0) + 1
+                continue
+            ids, mask = result
+            truncated = len(ids) > max_length
+            if truncated and overflow == "drop":
+                stats.samples_dropped += 1
+                continue
+            ids, mask = ids[:max_length], mask[:max_length]
+            if not mask.any():
+                stats.samples_dropped += 1
+                continue
+            stats.samples_truncated += int(truncated)
+            stats.samples_kept += 1
+            stats.num_tokens += len(ids)
+            stats.num_loss_tokens += int(mask.sum())
+            lengths.append(len(ids))
+            ids.tofile(ids_file)
+            mask.astype(np.uint8).tofile(mask_file)
+    stats.samples_bad = len(bad)
+    _report_bad_samples(staging, source, stats, bad, max_bad_fraction)
+    _log_overflow(stats, max_length, overflow)
+    if not stats.samples_kept:
+        raise DataError(_nothing_kept_message(source, stats, max_length, overflow))
+    return stats, lengths
+
+
+def _nothing_kept_message(source: Path, stats: PrepareStats, max_length: int, overflow: str) -> str:
+    """Why no sample is left when some were dropped at --max-length (all bad: _report_bad_samples)."""
+    why = ("longer than it under --overflow drop; raise --max-length or use --overflow truncate" if overflow == "drop"
+           else "no assistant token within it; raise --max-length")
+    bad = f", and the other {stats.samples_bad} are bad ({_reason_counts(stats)})" if stats.samples_bad else ""
+    return (f"{source}: no sample left to train on: {stats.samples_dropped} of {stats.samples_read} were dropped at "
+            f"--max-length={max_length} ({why}){bad}")
+
+
+def _tokenize_line(item: tuple[int, bytes], source: Path, tokenizer, options: tuple[int, str]):
+    """(ids, mask) of one line, or the SampleError naming it (file:line); options: (max_chars,
+    loss_turns) of tokenize_conversation."""
+    lineno, raw = item
+    where = f"{source}:{lineno}"
+    try:
+        return tokenize_conversation(tokenizer, parse_line(raw, where), *options)
+    except SampleError as err:
+        message = str(err) if str(err).startswith(where) else f"{where}: {err}"
+        return SampleError(message, err.reason)
+
+
+_worker_args: tuple = ()
+
+
+def _init_worker(source: Path, tokenizer, options: tuple[int, str]) -> None:
+    global _worker_args
+    _worker_args = (source, tokenizer, options)
+
+
+def _tokenize_in_worker(item: tuple[int, bytes]):
+    return _tokenize_line(item, *_worker_args)
+
+
+@contextlib.contextmanager
+def _tokenized_lines(source: Path, tokenizer, options: tuple[int, str], workers: int):
+    """Every line's tokenization result, in file order, from this process or a pool. Spawned
+    (not forked) workers: the parent may hold threads (tokenizers, process groups)."""
+    if workers <= 1:
+        yield (_tokenize_line(item, source, tokenizer, options) for item in iter_lines(source))
+        return
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(workers, initializer=_init_worker, initargs=(source, tokenizer, options)) as pool:
+        yield pool.imap(_tokenize_in_worker, iter_lines(source), chunksize=64)
+
+
+def default_prepare_workers(source: Path) -> int:
+    """All cores (up to 32) for files worth it; one process for small files, where starting a
+    pool costs more than it saves."""
+    try:
+        size = source.stat().st_size
+    except OSError:
+        return 1
+    return 1 if size < PARALLEL_FROM_BYTES else max(1, min(os.cpu_count() or 1, 32))
+
+
+class _Progress:
+    """A throughput line every PROGRESS_EVERY_S seconds while tokenizing."""
+
+    def __init__(self, source: Path):
+        self.source, self.started = source, time.perf_counter()
+        self.last = self.started
+
+    def update(self, samples: int) -> None:
+        now = time.perf_counter()
+        if now - self.last >= PROGRESS_EVERY_S:
+            self.last = now
+            logger.info("%s: %d samples tokenized, %.0f samples/s", self.source, samples, samples / (now - self.started))
+
+
+def _report_bad_samples(staging: Path, source: Path, stats: PrepareStats, bad: list[tuple[str, str]],
+                        max_bad_fraction: float) -> None:
+    """List the skipped samples in the shard; fail when they are more than the bound allows."""
+    if not bad:
+        return
+    (staging / BAD_SAMPLES_FILE).write_text("".join(f"{reason}: {message}\n" for reason, message in bad))
+    fraction = len(bad) / stats.samples_read
+    first = "\n  ".join(message for _, message in bad[:3])
+    if fraction == 1:
+        raise DataError(f"{source}: all {len(bad)} samples are bad ({_reason_counts(stats)}). The first:\n  {first}\n"
+                        "Fix the data: skipping them all (--max-bad-fraction) would leave nothing to train on.")
+    if fraction > max_bad_fraction:
+        raise DataError(f"{source}: {len(bad)} of {stats.samples_read} samples are bad ({fraction:.1%}, above "
+                        f"--max-bad-fraction {max_bad_fraction:g}; {_reason_counts(stats)}). The first:\n  {first}\n"
+                        "Fix the data, or raise --max-bad-fraction to skip them all.")
+
+
+def _reason_counts(stats: PrepareStats) -> str:
+    return ", ".join(f"{reason}: {n}" for reason, n in sorted(stats.bad_reasons.items()))
+
+
+def _log_overflow(stats: PrepareStats, max_length: int, overflow: str) -> None:
+    """One summary warning rather than one line per sample."""
+    if stats.samples_truncated or stats.samples_dropped:
+        logger.warning(
+            "max_length=%d, overflow=%s: %d of %d samples truncated, %d dropped",
+            max_length, overflow, stats.samples_truncated, stats.samples_read, stats.samples_dropped,
+        )

@@ -1,0 +1,6 @@
+"""The DFlash drafter and what defines it: the model (model), its block attention (attention),
+the objective (objective), one forward on a micro-batch (step, shared by training and eval), the
+HF export (export), and the FLOP model of target and drafter work (flops).
+
+May import: dflash.util.
+"""

@@ -1,0 +1,265 @@
+"""The DFlash drafter: a few Qwen3-style layers whose keys/values see the target's features.
+
+Read top to bottom:
+  context features  [b, S, K*D] --fc--> hidden_norm --> context [b, S, D]
+  block tokens      [x_a, MASK, ..., MASK] embedded by the FROZEN target embedding [b, Q, D]
+  each layer:  q from the block; k/v from [context ; block] with the same k_proj/v_proj,
+               k_norm and RoPE at absolute positions; residual + MLP on the block only
+  final norm --> hidden [b, Q, D]; the frozen TARGET lm_head turns it into logits.
+
+The drafter owns no embedding and no lm_head: they stay with the target and are passed in.
+The config is a plain `Qwen3Config` (so exported folders read as Qwen3 layers) with the DFlash
+fields `block_size`, `num_target_layers` and `dflash_config` added.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers import Qwen3Config
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
+
+from dflash.drafter.attention import attend
+
+
+def full_attention_rope(text_config) -> dict:
+    """The target's RoPE for full-attention layers (drafter layers are full attention). Targets
+    with per-layer-type RoPE (Gemma 3: sliding and full layers differ) nest it by layer type."""
+    rope = getattr(text_config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
+    if isinstance(rope.get("full_attention"), dict):
+        rope = rope["full_attention"]
+    return dict(rope)
+
+
+def drafter_config(
+    target_config,
+    num_layers: int,
+    target_layer_ids: list[int],
+    block_size: int,
+    mask_token_id: int,
+    window: int = 0,
+) -> Qwen3Config:
+    """A drafter config with the target's width, heads and RoPE, and the DFlash fields. `window`
+    > 0: sliding-window layers, written in the keys serving engines read (`layer_types`,
+    `sliding_window`, `dflash_config.use_swa` / `swa_window_size`)."""
+    text_config = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    hidden = text_config.hidden_size
+    heads = text_config.num_attention_heads
+    head_dim = getattr(text_config, "head_dim", None) or hidden // heads
+    config = Qwen3Config(
+        vocab_size=text_config.vocab_size,
+        hidden_size=hidden,
+        intermediate_size=text_config.intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(text_config, "num_key_value_heads", heads),
+        head_dim=head_dim,
+        rms_norm_eps=getattr(text_config, "rms_norm_eps", 1e-6),
+        max_position_embeddings=text_config.max_position_embeddings,
+        rope_parameters=full_attention_rope(text_config),
+        attention_bias=False,
+        tie_word_embeddings=False,
+        **({"use_sliding_window": True, "sliding_window": window, "max_window_layers": 0,
+            "layer_types": ["sliding_attention"] * num_layers} if window > 0 else {}),
+    )
+    config.architectures = ["DFlashDraftModel"]
+    config.block_size = block_size
+    config.num_target_layers = text_config.num_hidden_layers
+    config.dflash_config = {"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)}
+    if window > 0:
+        config.dflash_config.update(use_swa=True, swa_window_size=window)
+    return config
+
+
+class RotaryAngles:
+    """cos/sin tables of the configured RoPE. The inverse frequencies live outside the module
+    tree on purpose: a bf16 cast of the drafter (DeepSpeed does one) must not round them."""
+
+    def __init__(self, config: Qwen3Config):
+        rope_type = config.rope_parameters.get("rope_type", "default")
+        if rope_type == "default":
+            init = Qwen3RotaryEmbedding.compute_default_rope_parameters
+        else:
+            init = ROPE_INIT_FUNCTIONS[rope_type]
+        inv_freq, self.scaling = init(config)
+        self.inv_freq = inv_freq.float()
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype):
+        """positions [b, T] -> cos, sin [b, T, d] in `dtype`."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        angles = positions[..., None].float() * self.inv_freq
+        angles = torch.cat([angles, angles], dim=-1)
+        return (angles.cos() * self.scaling).to(dtype), (angles.sin() * self.scaling).to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on x [b, H, T, d] with cos/sin [b, T, d] for the positions of those T entries."""
+    cos, sin = cos[:, None], sin[:, None]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class DFlashAttention(nn.Module):
+    """GQA attention whose keys/values are the projected context followed by the block."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        d, hq, hkv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
+        self.head_dim, self.num_heads, self.num_kv_heads = d, hq, hkv
+        self.q_proj = nn.Linear(config.hidden_size, hq * d, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, hkv * d, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, hkv * d, bias=False)
+        self.o_proj = nn.Linear(hq * d, config.hidden_size, bias=False)
+        self.q_norm = Qwen3RMSNorm(d, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(d, eps=config.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, n, self.head_dim).transpose(1, 2)  # [b, n, t, d]
+
+    def key_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Keys (normed, rotated) and values [b, Hkv, T, d] of x [b, T, D]."""
+        k = rotate(self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)), cos, sin)
+        v = self._heads(self.v_proj(x), self.num_kv_heads)
+        return k, v
+
+    def forward(self, block, cos, sin, context_k, context_v, mask) -> torch.Tensor:
+        q = rotate(self.q_norm(self._heads(self.q_proj(block), self.num_heads)), cos, sin)
+        k, v = self.key_values(block, cos, sin)
+        k = torch.cat([context_k, k], dim=2)
+        v = torch.cat([context_v, v], dim=2)
+        out = attend(q, k, v, mask)  # [b, Hq, Q, d]
+        b, _, t, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = DFlashAttention(config)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = Qwen3MLP(config)
+
+    def forward(self, block, cos, sin, context_k, context_v, mask) -> torch.Tensor:
+        block = block + self.self_attn(self.input_layernorm(block), cos, sin, context_k, context_v, mask)
+        return block + self.mlp(self.post_attention_layernorm(block))
+
+
+@dataclass
+class DrafterCache:
+    """Per-layer keys/values of the committed context at a fixed capacity, for decoding: column t
+    holds position t. A draft attends only to columns before its anchor, so columns written for
+    tokens that were then rejected are never seen, and are rewritten once the context reaches
+    them; fixed shapes let a draft step replay as a CUDA graph."""
+
+    keys: torch.Tensor  # [layers, b, Hkv, capacity, d]
+    values: torch.Tensor
+
+    @classmethod
+    def allocate(cls, config: Qwen3Config, batch: int, capacity: int, device: torch.device,
+                 dtype: torch.dtype) -> "DrafterCache":
+        shape = (config.num_hidden_layers, batch, config.num_key_value_heads, capacity, config.head_dim)
+        return cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[3]
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.config = config
+        num_features = len(config.dflash_config["target_layer_ids"])
+        self.fc = nn.Linear(num_features * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary = RotaryAngles(config)
+        self.reset_parameters()
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.dflash_config["mask_token_id"]
+
+    @property
+    def window(self) -> int:
+        """Context positions a block sees before its anchor (0: all of them)."""
+        dflash = self.config.dflash_config
+        return int(dflash.get("swa_window_size", 0)) if dflash.get("use_swa") else 0
+
+    def reset_parameters(self) -> None:
+        std = getattr(self.config, "initializer_range", 0.02)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+            elif isinstance(module, Qwen3RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def _cos_sin(self, x: torch.Tensor, positions: torch.Tensor):
+        return self.rotary(positions, x.dtype)
+
+    def fuse_context(self, features: torch.Tensor) -> torch.Tensor:
+        """[b, S, K*D] target features -> [b, S, D] context vectors."""
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        block_positions: torch.Tensor,
+        context_features: torch.Tensor,
+        context_positions: torch.Tensor,
+        mask,
+    ) -> torch.Tensor:
+        """Training forward: every block of every sequence at once.
+
+        block_embeds [b, Q, D] (Q = N blocks x B slots), block_positions [b, Q],
+        context_features [b, S, K*D], context_positions [b, S], mask from dflash.drafter.attention.
+        Returns the final-normed hidden states [b, Q, D].
+        """
+        context = self.fuse_context(context_features)
+        ctx_cos, ctx_sin = self._cos_sin(context, context_positions)
+        cos, sin = self._cos_sin(block_embeds, block_positions)
+        x = block_embeds.to(context.dtype)
+        for layer in self.layers:
+            ck, cv = layer.self_attn.key_values(context, ctx_cos, ctx_sin)
+            x = layer(x, cos, sin, ck, cv, mask)
+        return self.norm(x)
+
+    @torch.no_grad()
+    def extend_context(self, cache: DrafterCache, features: torch.Tensor, positions: torch.Tensor) -> None:
+        """Write tokens' target features [b, T, K*D] at `positions` [1, T] (one set for all rows)."""
+        context = self.fuse_context(features)
+        cos, sin = self._cos_sin(context, positions)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.key_values(context, cos, sin)
+            cache.keys[i].index_copy_(2, positions[0], k)
+            cache.values[i].index_copy_(2, positions[0], v)
+
+    @torch.no_grad()
+    def draft(self, cache: DrafterCache, block_embeds: torch.Tensor, block_positions: torch.Tensor) -> torch.Tensor:
+        """Inference forward of one block per sequence over the cached context: the block sees
+        the context columns before its anchor (the last `window` of them with a sliding window)
+        and all of its own slots. block_positions [b, B], anchors first. Returns [b, B, D]."""
+        anchor = block_positions[:, :1, None]  # [b, 1, 1]
+        columns = torch.arange(cache.capacity, device=block_positions.device)
+        sees_context = columns < anchor
+        if self.window > 0:
+            sees_context = sees_context & (columns >= anchor - self.window)
+        b, block = block_positions.shape
+        sees_block = torch.ones(b, 1, block, dtype=torch.bool, device=block_positions.device)
+        mask = torch.cat([sees_context.expand(b, block, -1), sees_block.expand(b, block, block)], dim=-1)[:, None]
+        cos, sin = self._cos_sin(block_embeds, block_positions)
+        x = block_embeds.to(self.fc.weight.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache.keys[i], cache.values[i], mask)
+        return self.norm(x)

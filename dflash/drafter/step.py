@@ -1,0 +1,94 @@
+"""One drafter forward on a micro-batch: target features in, DFlash loss and metrics out.
+
+Shared by training (with backward) and by evaluation's teacher-forced streak (without), so the
+number training shows and the number eval reports come from the same code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from dflash.drafter.attention import BlockLayout, build_mask
+from dflash.drafter.model import DFlashDrafter
+from dflash.drafter.objective import (Blocks, LossDenominators, LossOutput, LossTerms, build_blocks, dflash_loss,
+                                      sample_anchors)
+
+
+@dataclass
+class StepSettings:
+    max_anchors: int
+    slot_weights: torch.Tensor  # [B]
+    attention_backend: str  # "sdpa" or "flex" (already resolved)
+    kl_weight: float = 0.0
+    lm_head_chunk: int = 4096
+    fused_loss: bool = True  # False: autograd keeps the logits (the naive reference)
+    terms: LossTerms = field(default_factory=LossTerms)
+    stride_anchors: bool = False  # blocks B apart instead of random anchors (an ablation)
+    zero_features: bool = False  # the drafter sees zeros for the target's features (a control)
+
+
+class DrafterStep:
+    """Wires the drafter to the target's frozen embedding and lm_head (shared, not copied)."""
+
+    def __init__(
+        self, drafter: DFlashDrafter, embed_tokens: nn.Module, lm_head: nn.Module, settings: StepSettings,
+        forward: nn.Module | None = None,
+    ):
+        self.drafter = drafter
+        self.forward = forward or drafter  # the DeepSpeed engine when training
+        self.embed_tokens = embed_tokens
+        self.lm_head = lm_head
+        self.settings = settings
+
+    def make_blocks(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, layout: BlockLayout) -> Blocks:
+        layout = dataclasses.replace(layout, window=self.drafter.window)  # the drafter's own window
+        return build_blocks(input_ids, loss_mask, layout, self.drafter.mask_token_id)
+
+    def sample_blocks(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, generator: torch.Generator) -> Blocks:
+        layout = sample_anchors(loss_mask, self.settings.max_anchors, self.drafter.block_size, generator,
+                                stride=self.settings.stride_anchors)
+        return self.make_blocks(input_ids, loss_mask, layout)
+
+    def hidden(self, blocks: Blocks, features: torch.Tensor) -> torch.Tensor:
+        """Drafter output [b, Q, D] for all blocks at once, under the DFlash attention mask."""
+        b, s = features.shape[:2]
+        context_positions = torch.arange(s, device=features.device)[None].expand(b, -1)
+        with torch.no_grad():
+            block_embeds = self.embed_tokens(blocks.input_ids)
+        mask = build_mask(blocks.layout, self.settings.attention_backend)
+        return self.forward(block_embeds, blocks.positions, features, context_positions, mask)
+
+    def loss(self, blocks: Blocks, features: torch.Tensor, final_hidden: torch.Tensor | None = None,
+             noise_std: float = 0.0, denominators: LossDenominators | None = None) -> LossOutput:
+        """Weighted CE (+KL against the target's `final_hidden`) of the blocks; `noise_std` > 0 adds
+        Gaussian noise to the features (drawn from the global RNG, which checkpoints save and restore).
+        `denominators`: the optimizer step's, for the loss backward sees (default: this micro-batch's)."""
+        if self.settings.zero_features:
+            features = torch.zeros_like(features)
+        if noise_std > 0:
+            features = features + noise_std * torch.randn_like(features)
+        hidden = self.hidden(blocks, features)
+        teacher = final_hidden if self.settings.kl_weight > 0 else None
+        return dflash_loss(
+            hidden, blocks, self.lm_head, self.settings.slot_weights,
+            teacher_hidden=teacher, kl_weight=self.settings.kl_weight, chunk_size=self.settings.lm_head_chunk,
+            fused=self.settings.fused_loss, terms=self.settings.terms, denominators=denominators,
+        )
+
+    def denominators(self, blocks: Blocks) -> LossDenominators:
+        return LossDenominators.of(blocks, self.settings.slot_weights)
+
+    def empty_loss(self) -> LossOutput:
+        """A zero loss wired to every parameter: a rank with no samples at a step still joins
+        the gradient all-reduce, so data-parallel ranks stay in lockstep."""
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        zero = sum(p.sum() for p in params) * 0.0
+        bs = self.drafter.block_size
+        nothing = torch.zeros(bs, device=zero.device)
+        return LossOutput(loss=zero, mean_loss=zero.detach(), ce=zero.detach(), kl=zero.detach(), slot_correct=nothing,
+                          slot_count=nothing.clone(), block_streaks=torch.zeros(0, device=zero.device),
+                          weight_sum=zero.detach())

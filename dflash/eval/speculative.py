@@ -1,0 +1,195 @@
+"""Greedy decoding, plain and speculative (DFlash), batch size 1, with KV caches on both sides.
+
+One speculative cycle, with n committed tokens whose last one (the bonus, position a = n-1)
+has no target features yet:
+  drafter: block [x_a, MASK x (B-1)] at positions a..a+B-1 over its cached context (< a)
+  target:  verifies [x_a, d_1..d_{B-1}] in one forward; accepts the longest prefix with
+           d_i == target's choice, plus the target's own next token (the new bonus)
+  both caches keep only committed positions in view; the drafter's context gains the target
+  features of the verified block (the accepted ones, anchor included, are those it will see).
+The output equals plain greedy decoding token for token.
+
+Two target paths share this loop: `plain` runs HF's own forward over a DynamicCache (any
+family, cropped after a rejected draft); `fast` runs dflash.target.static (static caches, and
+CUDA graphs on a GPU) for the families it knows. The drafter always decodes over a static cache.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from dflash.drafter.model import DFlashDrafter, DrafterCache
+from dflash.target.frozen import FrozenTarget
+from dflash.target.graphs import GraphReplays
+from dflash.target.static import StaticTarget, fast_decoding_supported
+
+DECODERS = ("auto", "fast", "plain")
+
+
+@dataclass
+class DecodeResult:
+    tokens: list[int]  # generated tokens, prompt excluded
+    seconds: float
+    accepted: list[int] = field(default_factory=list)  # accepted draft tokens per verify cycle
+
+    @property
+    def target_forwards(self) -> int:
+        return len(self.accepted)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _finish(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> list[int]:
+    tokens = tokens[:max_new_tokens]
+    for i, token in enumerate(tokens):
+        if token in eos_ids:
+            return tokens[: i + 1]
+    return tokens
+
+
+class PlainTargetSession:
+    """HF's forward over a DynamicCache: every family transformers runs. The cache keeps every
+    position (no sliding-window layers, which cannot be cropped); masks still apply the window,
+    since they come from the config."""
+
+    def __init__(self, target: FrozenTarget):
+        self.target = target
+        self.cache = DynamicCache()
+
+    def prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prompt [1, P] -> (target's choice after it [1, 1], features [1, P, K*D])."""
+        self.cache = DynamicCache()
+        choice, features = self.step(ids, 0)
+        return choice[:, -1:], features
+
+    def step(self, ids: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [1, T] at positions start.. -> (target's choice after each [1, T], features [1, T, K*D])."""
+        FrozenTarget.crop_cache(self.cache, start)
+        out = self.target.decode_step(ids, self.cache)
+        return out.logits.argmax(-1), out.features
+
+
+class DraftSession:
+    """The drafter's side: its context cache, and the two steps of a cycle (propose a block,
+    take the verified block's features), each replayed as a CUDA graph when `graphed`."""
+
+    def __init__(self, target: FrozenTarget, drafter: DFlashDrafter, capacity: int, graphed: bool):
+        device, dtype = target.device, target.embed_tokens.weight.dtype
+        self.target, self.drafter = target, drafter
+        self.cache = DrafterCache.allocate(drafter.config, 1, capacity, device, dtype)
+        self.graphs = GraphReplays(device, graphed)
+        block = drafter.block_size
+        self._block_ids = torch.full((1, block), drafter.mask_token_id, device=device)
+        self._offsets = torch.arange(block, device=device)[None]
+        self._anchor = torch.zeros((), dtype=torch.long, device=device)
+        self._features = torch.zeros(1, block, target.hidden_size * len(target.layer_ids), device=device,
+                                     dtype=dtype)
+
+    def extend(self, features: torch.Tensor, start: int) -> None:
+        """Features [1, T, K*D] of positions start..start+T-1 into the drafter's context."""
+        self._anchor.fill_(start)
+        if features.shape[1] != self._features.shape[1] or not self.graphs.enabled:
+            positions = torch.arange(start, start + features.shape[1], device=features.device)[None]
+            self.drafter.extend_context(self.cache, features, positions)
+            return
+        self._features.copy_(features)
+        self.graphs("extend", lambda: self.drafter.extend_context(self.cache, self._features,
+                                                                  self._anchor + self._offsets))
+
+    def propose(self, last_token: int, anchor: int) -> torch.Tensor:
+        """The drafter's B-1 greedy guesses for positions anchor+1.. in ONE forward."""
+        self._block_ids[0, 0] = last_token
+        self._anchor.fill_(anchor)
+        return self.graphs("propose", self._propose)
+
+    def _propose(self) -> torch.Tensor:
+        hidden = self.drafter.draft(self.cache, self.target.embed_tokens(self._block_ids), self._anchor + self._offsets)
+        return self.target.lm_head(hidden[0, 1:]).argmax(-1)
+
+
+def resolve_decoder(name: str, target: FrozenTarget) -> str:
+    """`auto`: fast for the families dflash.target.static runs, plain for the rest."""
+    if name not in DECODERS:
+        raise ValueError(f"--decoder {name}: use one of {', '.join(DECODERS)}")
+    if name == "auto":
+        return "fast" if fast_decoding_supported(target) else "plain"
+    return name
+
+
+class Decoder:
+    """Greedy and speculative decoding of one target (and drafter), reused across prompts:
+    caches and CUDA graphs are made once, for sequences of up to `capacity` positions."""
+
+    def __init__(self, target: FrozenTarget, drafter: DFlashDrafter | None, capacity: int, kind: str = "plain"):
+        self.target, self.drafter, self.capacity = target, drafter, capacity
+        fast = resolve_decoder(kind, target) == "fast"
+        # a StaticTarget at batch 1 needs no reset: a new prompt overwrites its cache
+        self.session = StaticTarget(target, 1, capacity) if fast else PlainTargetSession(target)
+        self.draft = DraftSession(target, drafter, capacity, graphed=fast) if drafter is not None else None
+
+    def _prefill(self, prompt: list[int], room: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if len(prompt) + room > self.capacity:
+            raise ValueError(f"a prompt of {len(prompt)} tokens + {room} more exceeds the decoder's "
+                             f"{self.capacity} positions")
+        return self.session.prefill(torch.tensor([prompt], device=self.target.device))
+
+    @torch.no_grad()
+    def greedy(self, prompt: list[int], max_new_tokens: int, eos_ids: set[int]) -> DecodeResult:
+        device = self.target.device
+        _sync(device)
+        start = time.perf_counter()
+        choice, _ = self._prefill(prompt, max_new_tokens)
+        tokens = [int(choice[0, -1])]
+        while len(tokens) < max_new_tokens and tokens[-1] not in eos_ids:
+            choice, _ = self.session.step(choice[:, -1:], len(prompt) + len(tokens) - 1)
+            tokens.append(int(choice[0, -1]))
+        _sync(device)
+        return DecodeResult(tokens=_finish(tokens, max_new_tokens, eos_ids), seconds=time.perf_counter() - start)
+
+    @torch.no_grad()
+    def speculative(self, prompt: list[int], max_new_tokens: int, eos_ids: set[int]) -> DecodeResult:
+        device, block, draft = self.target.device, self.drafter.block_size, self.draft
+        _sync(device)
+        start = time.perf_counter()
+        choice, features = self._prefill(prompt, max_new_tokens + block)
+        draft.extend(features, 0)
+        tokens = [int(choice[0, -1])]
+        accepted: list[int] = []
+        # the anchor token is filled in on the GPU: a copy from host memory would wait for the queue
+        last = torch.zeros(1, dtype=torch.long, device=device)
+        while len(tokens) < max_new_tokens and not eos_ids.intersection(tokens):
+            anchor = len(prompt) + len(tokens) - 1
+            guess = draft.propose(tokens[-1], anchor)
+            last.fill_(tokens[-1])
+            verify_ids = torch.cat([last, guess])[None]
+            choice, features = self.session.step(verify_ids, anchor)
+            # choice[i]: the target's token for position anchor+i+1; one host sync per cycle
+            both = torch.cat([guess, choice[0]]).tolist()
+            proposed, verified = both[: block - 1], both[block - 1:]
+            k = next((i for i, (d, c) in enumerate(zip(proposed, verified)) if d != c), block - 1)
+            tokens.extend(proposed[:k] + [verified[k]])
+            accepted.append(k)
+            draft.extend(features, anchor)  # positions past anchor+k stay out of every later draft's view
+        _sync(device)
+        return DecodeResult(
+            tokens=_finish(tokens, max_new_tokens, eos_ids), seconds=time.perf_counter() - start, accepted=accepted
+        )
+
+
+def greedy_decode(target: FrozenTarget, prompt: list[int], max_new_tokens: int, eos_ids: set[int],
+                  kind: str = "plain") -> DecodeResult:
+    """One prompt; for many, make one Decoder and reuse it."""
+    return Decoder(target, None, len(prompt) + max_new_tokens, kind).greedy(prompt, max_new_tokens, eos_ids)
+
+
+def speculative_decode(target: FrozenTarget, drafter: DFlashDrafter, prompt: list[int], max_new_tokens: int,
+                       eos_ids: set[int], kind: str = "plain") -> DecodeResult:
+    decoder = Decoder(target, drafter, len(prompt) + max_new_tokens + drafter.block_size, kind)
+    return decoder.speculative(prompt, max_new_tokens, eos_ids)

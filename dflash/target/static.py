@@ -1,0 +1,166 @@
+"""The target's forward over a preallocated KV cache, for fast decoding and batched regeneration.
+
+HF's DynamicCache grows by concatenation, so every step has new shapes and runs eagerly from
+Python. Here each layer's keys/values live in a buffer of fixed capacity: a forward of T new
+tokens writes them at cache columns start..start+T-1 and attends over the whole buffer under a
+mask (a column is visible when it is at or before the query's column, past the row's left
+padding and, on sliding layers, inside the window). Fixed shapes let a step be replayed as a
+CUDA graph. Nothing is ever cropped: a rejected draft's columns are masked for every later
+query and rewritten before they become visible again.
+
+Runs the decoder layers of Llama-layout families (pre-norm, separate q/k/v projections, optional
+per-head q/k norms, one RoPE): Llama (SmolLM2), Mistral, Qwen2, Qwen3. Other families decode
+through HF's own forward (dflash.eval.speculative's plain path).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dflash.target.frozen import FrozenTarget, TargetError
+from dflash.target.graphs import GraphReplays
+
+FAST_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def fast_decoding_supported(target: FrozenTarget) -> bool:
+    return getattr(target.model.config, "model_type", None) in FAST_FAMILIES
+
+
+# Attention reads the cache only up to the used columns, rounded up to this step: a step over
+# the whole capacity reads every row's full buffer (regeneration: 3x slower at 2.9K columns).
+SPAN_STEP = 256
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """An HF RMSNorm module's computation in one call (HF's own takes six kernels)."""
+    return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """RoPE in HF's half-rotation convention, x * cos + rotate_half(x) * sin, with rotate_half(x)
+    = roll(x) * [-1..., +1...] folded into `sin_signed`."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
+
+
+class StaticTarget:
+    """A FrozenTarget's decoder run over a static KV cache of `batch` rows x `capacity` columns."""
+
+    def __init__(self, target: FrozenTarget, batch: int, capacity: int, cuda_graphs: bool = True):
+        model = target.model
+        config = model.config
+        family = getattr(config, "model_type", type(model).__name__)
+        if family not in FAST_FAMILIES:
+            raise TargetError(f"fast decoding runs {', '.join(FAST_FAMILIES)} targets, not {family}; "
+                              "use --decoder plain")
+        self.target = target
+        self.batch = batch
+        self.capacity = _round_up(capacity, 16)  # aligned mask rows let SDPA take its fused kernels
+        device, dtype = target.device, target.embed_tokens.weight.dtype
+        attention = target.layers[0].self_attn
+        shape = (len(target.layers), batch, config.num_key_value_heads, self.capacity, attention.head_dim)
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)
+        self.values = torch.zeros(shape, device=device, dtype=dtype)
+        self.padding = torch.zeros(batch, dtype=torch.long, device=device)  # left padding per row
+        window = getattr(config, "sliding_window", None) or 0
+        # Mistral names no layer types: with a window set, every layer slides.
+        layer_types = getattr(config, "layer_types", None) or ["sliding_attention"] * len(target.layers)
+        self.windows = [window if kind == "sliding_attention" else 0 for kind in layer_types]
+        self.feature_layers = set(target.layer_ids)
+        self.columns = torch.arange(self.capacity, device=device)
+        self._start = torch.zeros((), dtype=torch.long, device=device)
+        self._offsets = torch.arange(self.capacity, device=device)
+        self._inputs: dict[int, torch.Tensor] = {}
+        self.graphs = GraphReplays(device, cuda_graphs)
+
+    def set_padding(self, padding: list[int]) -> None:
+        """Left padding of each row (batched generation); rows see nothing before it."""
+        self.padding.copy_(torch.tensor(padding, dtype=torch.long))
+
+    def prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompts [batch, P] (left-padded, see set_padding) at columns 0.., eagerly -> (the
+        target's choice after the last position [batch, 1], features [batch, P, K*D])."""
+        return self._forward(ids, self._at(0, ids), self._span(0, ids), last_only=True)
+
+    def step(self, ids: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """New tokens [batch, T] at columns start.. -> (the target's choice after each [batch, T],
+        features [batch, T, K*D]). Replays one CUDA graph per T and span of used columns; the
+        outputs are overwritten by the next step with the same T and span."""
+        columns, span = self._at(start, ids), self._span(start, ids)
+        if not self.graphs.enabled:
+            return self._forward(ids, columns, span)
+        buffer = self._inputs.setdefault(ids.shape[1], torch.zeros_like(ids))
+        buffer.copy_(ids)
+        return self.graphs((ids.shape[1], span), lambda: self._forward(
+            buffer, self._start + self._offsets[: buffer.shape[1]], span))
+
+    def _at(self, start: int, ids: torch.Tensor) -> torch.Tensor:
+        if start + ids.shape[1] > self.capacity:
+            raise ValueError(f"decoding past the cache: {start + ids.shape[1]} > {self.capacity} columns")
+        self._start.fill_(start)
+        return self._start + torch.arange(ids.shape[1], device=ids.device)
+
+    def _span(self, start: int, ids: torch.Tensor) -> int:
+        return min(self.capacity, _round_up(start + ids.shape[1], SPAN_STEP))
+
+    def _masks(self, columns: torch.Tensor, span: int, dtype: torch.dtype, repeat: int) -> list[torch.Tensor]:
+        """Each layer's additive attention mask [b, 1, repeat x T, span] (0: visible, -inf: not),
+        built once per forward: a column is visible at or before the query's column, past the
+        row's padding and, on a sliding layer, inside the window."""
+        keys = self.columns[None, None, :span]
+        query = columns[None, :, None]
+        visible = (keys <= query) & (keys >= self.padding[:, None, None])  # [b, T, span]
+        # A padding query sees itself: a row with nothing visible would give NaN, and a NaN value
+        # poisons every query that masks it out (0 x NaN).
+        visible |= keys == query
+        masks = {}
+        for window in set(self.windows):
+            sees = visible & (keys > query - window) if window else visible
+            additive = torch.zeros(sees.shape, dtype=dtype, device=sees.device).masked_fill_(~sees, float("-inf"))
+            masks[window] = additive[:, None].repeat(1, 1, repeat, 1)
+        return [masks[window] for window in self.windows]
+
+    def _forward(self, ids: torch.Tensor, columns: torch.Tensor, span: int, last_only: bool = False):
+        target = self.target
+        x = target.embed_tokens(ids)
+        positions = columns[None] - self.padding[:, None]  # [b, T], RoPE positions of each row
+        cos, sin = target.decoder.rotary_emb(x, positions)
+        half = cos.shape[-1] // 2
+        cos, sin = cos[:, None], torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)[:, None]
+        masks = self._masks(columns, span, x.dtype, target.model.config.num_attention_heads // self.keys.shape[2])
+        captured = {}
+        for index, layer in enumerate(target.layers):
+            h = self._attention(index, layer.self_attn, rms_norm(layer.input_layernorm, x), cos, sin, columns,
+                                span, masks[index])
+            x = x + h
+            x = x + layer.mlp(rms_norm(layer.post_attention_layernorm, x))
+            if index in self.feature_layers:
+                captured[index] = x
+        if last_only:  # a prefill's logits for every position would be [b, P, vocab]
+            x = x[:, -1:]
+        choice = target.lm_head(rms_norm(target.decoder.norm, x)).argmax(-1)
+        return choice, torch.cat([captured[i] for i in target.layer_ids], dim=-1)
+
+    def _attention(self, index, attention, x, cos, sin, columns, span, mask):
+        b, t, _ = x.shape
+        d = attention.head_dim
+        q = attention.q_proj(x).view(b, t, -1, d)
+        k = attention.k_proj(x).view(b, t, -1, d)
+        if hasattr(attention, "q_norm"):  # Qwen3: RMSNorm per head before RoPE
+            q, k = rms_norm(attention.q_norm, q), rms_norm(attention.k_norm, k)
+        heads = q.shape[2]
+        qk = rotate(torch.cat([q, k], dim=2).transpose(1, 2), cos, sin)  # [b, Hq + Hkv, T, d]
+        q, k = qk[:, :heads], qk[:, heads:]
+        self.keys[index].index_copy_(2, columns, k)
+        self.values[index].index_copy_(2, columns, attention.v_proj(x).view(b, t, -1, d).transpose(1, 2))
+        keys, values = self.keys[index][:, :, :span], self.values[index][:, :, :span]
+        # GQA without copying the cache: the query heads sharing a key/value head become rows of it
+        hkv = keys.shape[1]
+        rows = q.reshape(b, hkv, heads // hkv * t, d)  # query head h = g * rep + r serves head g
+        out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, scale=attention.scaling)
+        return attention.o_proj(out.reshape(b, heads, t, d).transpose(1, 2).reshape(b, t, -1))

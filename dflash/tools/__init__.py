@@ -1,0 +1,5 @@
+"""Tools over finished runs, each a command: the ablations behind the recipe (ablations), plots and
+a summary of a run (report; python -m dflash.report), throughput tables (throughput).
+
+May import: any layer. Nothing imports a tool.
+"""

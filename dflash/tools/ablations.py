@@ -1,0 +1,125 @@
+"""The ablations behind the recipe's defaults: each group trains the demo drafter with one flag
+changed from a fixed baseline (BASELINE), on the same data and steps, over several seeds, and
+reports the real tau (speculative decoding on the held-out prompts, eval.json's `trained.tau`)
+as mean and spread.
+
+    python -m dflash.tools.ablations --out runs/ablations --seeds 0,1,2 --parallel 8
+    python -m dflash.tools.ablations --out /tmp/abl --groups loss --seeds 0 --extra "--max-steps 20"
+    python -m dflash.tools.ablations --out runs/ablations --table-only   # what has finished so far
+
+Runs that already wrote eval.json are reused, so an interrupted sweep continues where it
+stopped. The table goes to <out>/ablations.md and the numbers to <out>/ablations.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dflash.config import REPO_ROOT
+from dflash.util.cli import cli_parser
+
+# Every run starts from these flags, so the table stays one baseline as defaults move: the
+# recipe's loss became dpace because of this table, measured against the CE baseline.
+BASELINE = ["--loss", "ce"]
+# group -> [(variant name, flags after BASELINE)]; the first variant of each group is the baseline.
+GROUPS: dict[str, list[tuple[str, list[str]]]] = {
+    "loss": [("ce", []), ("dpace", ["--loss", "dpace"]), ("ce+dpace", ["--loss", "ce+dpace"])],
+    "slot weights": [("decay", []), ("uniform", ["--slot-weights", "uniform"])],
+    "anchors": [("random", []), ("stride", ["--anchors", "stride"])],
+    "feature layers": [("5", []), ("3", ["--num-target-features", "3"]), ("1", ["--num-target-features", "1"])],
+    "draft layers": [("2", []), ("1", ["--num-draft-layers", "1"]), ("3", ["--num-draft-layers", "3"])],
+    "attention": [("full", []), ("window 64", ["--draft-window", "64"])],
+    "optimizer": [("adamw", []), ("muon", ["--optimizer", "muon"]),
+                  ("muon, lr 0.08", ["--optimizer", "muon", "--muon-lr", "0.08"]),
+                  ("muon, lr 0.2", ["--optimizer", "muon", "--muon-lr", "0.2"])],
+    "lr schedule": [("cosine", []), ("wsd", ["--lr-schedule", "wsd"])],
+    "features": [("target's", []), ("zeroed (control)", ["--zero-features"])],
+}
+
+
+@dataclass
+class AblationArgs:
+    out: str = "runs/ablations"
+    seeds: str = "0,1,2"
+    groups: str = ""  # comma-separated group names (default: all)
+    parallel: int = 1  # runs at once (on a GPU host, several tiny demo runs share a GPU)
+    extra: str = ""  # more train_drafter.py flags for every run
+    table_only: bool = False  # tabulate the finished runs, train nothing (the seeds column says how many)
+
+
+def run_dir(out: Path, flags: list[str], seed: int) -> Path:
+    """One folder per distinct flag set and seed: the default variant is trained once for all groups."""
+    name = "-".join(f.lstrip("-").replace("/", "_") for f in flags) or "default"
+    return out / f"{name}-seed{seed}"
+
+
+def train_once(folder: Path, flags: list[str], seed: int, extra: str, gpu: int | None = None) -> None:
+    """Train one run (on the given GPU, if any) unless its eval.json exists."""
+    if (folder / "eval.json").is_file():
+        return
+    cmd = [sys.executable, str(REPO_ROOT / "train_drafter.py"), "--output-dir", str(folder), "--overwrite",
+           "--report-to", "none", "--seed", str(seed), *BASELINE, *flags, *shlex.split(extra)]
+    env = dict(os.environ) if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
+    folder.mkdir(parents=True, exist_ok=True)
+    with (folder.parent / f"{folder.name}.log").open("w") as log:
+        log.write(f"$ {shlex.join(cmd)}\n")
+        log.flush()
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}); see {folder.parent / folder.name}.log")
+
+
+def finished_tau(folder: Path) -> float | None:
+    """The real tau of a finished run (eval.json's `trained.tau`), None while it has not finished."""
+    report = folder / "eval.json"
+    return float(json.loads(report.read_text())["trained"]["tau"]) if report.is_file() else None
+
+
+def table(results: dict[str, list[tuple[str, list[float]]]]) -> str:
+    lines = ["| group | variant | tau (mean) | spread (min-max) | seeds |", "|---|---|---|---|---|"]
+    for group, variants in results.items():
+        for variant, taus in variants:
+            if not taus:
+                lines.append(f"| {group} | {variant} | not run | | 0 |")
+                continue
+            lines.append(f"| {group} | {variant} | {statistics.mean(taus):.2f} | {min(taus):.2f}-{max(taus):.2f} "
+                         f"| {len(taus)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    (args,) = cli_parser(AblationArgs).parse_args_into_dataclasses(argv)
+    out, seeds = Path(args.out), [int(s) for s in args.seeds.split(",")]
+    names = [g.strip() for g in args.groups.split(",") if g.strip()] or list(GROUPS)
+    unknown = [n for n in names if n not in GROUPS]
+    if unknown:
+        raise SystemExit(f"--groups: unknown {unknown}; known: {', '.join(GROUPS)}")
+    jobs = {run_dir(out, flags, seed): (flags, seed) for n in names for _, flags in GROUPS[n] for seed in seeds}
+    if not args.table_only:
+        gpus = torch.cuda.device_count()
+
+        def run(index: int, folder: Path) -> None:  # runs take the visible GPUs in turn
+            train_once(folder, *jobs[folder], args.extra, index % gpus if gpus else None)
+
+        with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+            list(pool.map(run, range(len(jobs)), jobs))
+    results = {n: [(variant, [tau for s in seeds if (tau := finished_tau(run_dir(out, flags, s))) is not None])
+                   for variant, flags in GROUPS[n]] for n in names}
+    (out / "ablations.json").write_text(json.dumps(results, indent=1))
+    (out / "ablations.md").write_text(table(results))
+    print(table(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()

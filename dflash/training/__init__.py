@@ -1,0 +1,6 @@
+"""The training run: the run itself (run), a drafter rank's setup (drafter_setup), its shard
+(shard), LR and noise schedules (schedules), the spike guard (spike), checkpoints (checkpoint),
+metrics and what a rank reports (metrics, run_report, profiling), the memory model (memory).
+
+May import: every layer below (util, demo, target, data, drafter, placement, config, eval).
+"""

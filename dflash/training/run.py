@@ -1,0 +1,363 @@
+"""The training run: config -> data -> placement -> target -> transport -> drafter loop -> export.
+
+A drafter rank builds its run (dflash/training/drafter_setup.py), loops over its micro-batches (here) and
+reports (dflash/training/run_report.py).
+
+Colocated: every rank holds the frozen target and a drafter replica. Split: target ranks only
+serve features; drafter ranks train one DeepSpeed engine whose data-parallel group (and ZeRO
+sharding) is the drafter ranks alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dflash.config import RunConfig, earlier_run_files
+from dflash.data.dataset import TokenDataset
+from dflash.data.tokenization import load_tokenizer
+from dflash.drafter.export import export_drafter
+from dflash.drafter.flops import cost_shapes
+from dflash.drafter.model import drafter_config
+from dflash.drafter.objective import Blocks, LossDenominators, LossOutput
+from dflash.placement.distributed import RankInfo
+from dflash.placement.features import FeatureSource, LocalFeatures, RemoteFeatures, compute_features
+from dflash.placement.topology import (Topology, drafter_groups, parse_target_ranks, plan_topology, ranks_per_node,
+                                       suggest_target_ranks)
+from dflash.placement.transport import (DrafterClient, FeatureBatch, TargetServer, TransportError, TransportSpec,
+                                        open_pair_groups)
+from dflash.target.frozen import (FrozenTarget, check_target_layer_ids, default_target_layer_ids, load_target_config,
+                                  resolve_mask_token_id)
+from dflash.target.gguf import gguf_file, resolve_target, run_target_dir
+from dflash.training.checkpoint import latest_checkpoint
+from dflash.training.drafter_setup import DrafterRun, RankContext, build_drafter_run, train_dtype
+from dflash.training.run_report import RunReport
+from dflash.training.schedules import feature_noise_std
+from dflash.training.shard import prepare_train_shard, train_shard_dir
+from dflash.training.spike import StepTally
+from dflash.util.phases import PhaseClock
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    role: str  # "drafter", "target" or "colocated"
+    steps: int
+    seconds: float
+    drafter_dir: Path
+    initial_drafter_dir: Path
+    last_metrics: dict
+    targets_finished: bool = True  # False: a target rank stalled after the drafters' last step
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during the step loop, with the optimizer step the run had reached."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(step)
+        self.step = step
+
+
+def build_drafter_config(config: RunConfig, tokenizer):
+    target_config = load_target_config(config.model.target)
+    num_layers = target_config.num_hidden_layers
+    layer_ids = config.model.target_layer_ids or default_target_layer_ids(num_layers, config.model.num_target_features)
+    check_target_layer_ids(layer_ids, num_layers)
+    mask_id = resolve_mask_token_id(tokenizer, target_config, config.model.mask_token_id)
+    return drafter_config(target_config, config.model.num_draft_layers, layer_ids, config.model.block_size, mask_id,
+                          window=config.model.draft_window)
+
+
+def settle_target(config: RunConfig, ranks: RankInfo) -> None:
+    """A GGUF --target is de-quantized once into <output-dir>/target-hf by rank 0 (and by local
+    rank 0 of a node that does not share its filesystem) while the others wait; from here on
+    config.model.target names that folder, for every loader and the final evaluation."""
+    if gguf_file(config.model.target) is None:
+        return
+    cache = run_target_dir(config.train.output_dir)
+    for converts in (ranks.rank == 0, ranks.local_rank == 0):
+        if converts:
+            resolve_target(config.model.target, cache)
+        dist.barrier()
+    config.model.target = resolve_target(config.model.target, cache)  # complete by now: no conversion
+
+
+def clear_earlier_run(config: RunConfig, ranks: RankInfo) -> None:
+    """--overwrite: rank 0 deletes what an earlier run left in --output-dir (never the prepared
+    data); the others wait, so no rank writes into a half-deleted folder."""
+    out_dir = Path(config.train.output_dir)
+    if config.train.overwrite and ranks.rank == 0:
+        for name in earlier_run_files(out_dir):
+            path = out_dir / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            logger.info("--overwrite: deleted %s", path)
+    dist.barrier()
+
+
+def prepare_data(config: RunConfig, tokenizer, ranks: RankInfo) -> TokenDataset:
+    """Rank 0 tokenizes (or reuses the cached shard); the others wait, then open it."""
+    if ranks.rank == 0:
+        prepare_train_shard(config, tokenizer)
+    dist.barrier()
+    # Nodes that do not share rank 0's filesystem build (or reuse) their own copy.
+    shard = train_shard_dir(config)
+    if ranks.local_rank == 0 and not (shard / "manifest.json").is_file():
+        prepare_train_shard(config, tokenizer)
+    dist.barrier()
+    return TokenDataset(shard)
+
+
+def place_ranks(config: RunConfig, ranks: RankInfo, dcfg, lengths) -> Topology:
+    requested = parse_target_ranks(config.train.target_ranks)
+    suggested, report = suggest_target_ranks(
+        cost_shapes(dcfg, config.train.max_anchors, whole_target=config.train.kl_weight > 0), lengths, ranks.world_size)
+    logger.info("%s", report)
+    if requested == "auto":
+        requested = suggested
+    topology = plan_topology(requested, ranks.world_size, ranks_per_node(ranks.world_size))
+    logger.info("placement %s", topology.describe())
+    return topology
+
+
+def train(config: RunConfig, ranks: RankInfo) -> TrainResult:
+    """Settle the run (drafter config, data, placement), load the target where it lives, then
+    serve features (target ranks) or train (drafter ranks)."""
+    device = ranks.device
+    dtype = train_dtype(config, device)
+    settle_target(config, ranks)
+    tokenizer = load_tokenizer(config.model.tokenizer)
+    dcfg = build_drafter_config(config, tokenizer)
+    clear_earlier_run(config, ranks)
+    dataset = prepare_data(config, tokenizer, ranks)
+    topology = place_ranks(config, ranks, dcfg, dataset.lengths)
+    data_group, self_group = drafter_groups(topology)
+    pairs = None if topology.colocated else open_pair_groups(topology.drafter_ranks, topology.target_ranks)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    with_final = config.train.kl_weight > 0
+    layer_ids = dcfg.dflash_config["target_layer_ids"]
+    spec = TransportSpec(
+        feature_dim=len(layer_ids) * dcfg.hidden_size, hidden_dim=dcfg.hidden_size, with_final_hidden=with_final,
+        feature_dtype=dtype, device=device, credits=config.train.credits, timeout_s=config.train.transport_timeout_s,
+    )
+    target = None
+    if topology.is_target(ranks.rank):
+        target = FrozenTarget.load(config.model.target, layer_ids, dtype, device)
+        if config.model.kernels == "fast" and device.type == "cuda":
+            target.compile_pointwise()
+    out_dir = Path(config.train.output_dir)
+    if not topology.is_drafter(ranks.rank):
+        server = TargetServer(
+            ranks.rank, topology.drafter_ranks, spec,
+            lambda indices: compute_features(target, dataset, indices, pad_id, with_final), pairs,
+        )
+        server.serve()  # until every drafter rank says stop; rank 0's routing report has the counts
+        return TrainResult("target", 0, 0.0, out_dir / "drafter", out_dir / "drafter-init", {})
+    if topology.colocated:
+        source = LocalFeatures(target, dataset, pad_id, with_final)
+    else:
+        client = DrafterClient(ranks.rank, topology.target_ranks, spec, dataset.lengths, pairs, topology.nodes)
+        source = RemoteFeatures(client, device)
+    ctx = RankContext(config, ranks, topology, dcfg, tokenizer, dataset, target, data_group, self_group)
+    return train_drafter_rank(ctx, source)
+
+
+def train_drafter_rank(ctx: RankContext, source: FeatureSource) -> TrainResult:
+    """Build, loop, finish. The step, the report and the checkpointer each decide when they act."""
+    run = build_drafter_run(ctx)
+    report = RunReport(ctx, run, source)
+    tally = StepTally()
+    try:
+        train_steps(ctx, run, report, source, tally)
+    except KeyboardInterrupt as interrupt:
+        run.checkpointer.cancel()  # the save in flight, if any, is not the one the message names
+        raise Interrupted(run.engine.global_steps) from interrupt
+    return finish(ctx, run, report, source, tally)
+
+
+def train_steps(ctx: RankContext, run: DrafterRun, report: RunReport, source: FeatureSource,
+                tally: StepTally) -> None:
+    """The optimizer steps of the run, from where it starts (or resumes) to its last."""
+    clock = report.clock
+    for window in accumulation_windows(epoch_batches(ctx, run, source, clock), ctx.config.train.grad_accum):
+        blocks, denominators = plan_window(ctx, run, window, clock)
+        before, guard_skips = (run.engine.global_steps, run.engine.skipped_steps), 0
+        for (epoch, batch_step, indices, batch), these in zip(window, blocks):
+            out = micro_batch_loss(ctx, run, batch, these, denominators)
+            clock.mark("drafter_forward")
+            skip = run.guard.should_skip(out.mean_loss, track=batch is not None)
+            clock.mark("spike_check")
+            if skip:
+                guard_skips += 1
+                logger.warning("skipped the micro-batch of step %d, epoch %d: loss %.4g vs recent median %s "
+                               "(%d skipped so far)", batch_step, epoch + 1, float(out.mean_loss),
+                               f"{run.guard.reference:.4g}" if run.guard.reference is not None else "n/a",
+                               run.guard.skipped)
+                if ctx.config.train.grad_accum == 1:
+                    continue  # the whole optimizer step is skipped
+                # a zero in its place keeps the engine's accumulation count on the window's boundary
+                out, batch = run.step.empty_loss(), None
+            stepped = backward_and_step(run, out.loss, clock)
+            if batch is not None:  # an empty or skipped micro-batch's zero loss is no sample of the loss
+                report.micro_batch(out, indices)
+            if stepped:
+                report.optimizer_step(epoch, batch_step)
+                run.checkpointer.maybe_save(run.engine.global_steps, run.trainer_state(epoch, batch_step))
+            clock.mark("bookkeeping")
+        count_step(run, tally, before, guard_skipped_all=guard_skips == len(window))
+        if tally.failing:
+            run.checkpointer.wait()  # the save in flight, committed, is the newest checkpoint
+            raise tally.error(ctx.config.train.lr, latest_checkpoint(ctx.out_dir))
+
+
+def count_step(run: DrafterRun, tally: StepTally, before: tuple[int, int], guard_skipped_all: bool) -> None:
+    """Whether the optimizer step of the window just run trained, or was skipped and why; `before`:
+    the engine's (global_steps, skipped_steps) at its start. A window that ends the run short of
+    the accumulation boundary took no step."""
+    steps, engine_skips = before
+    if run.engine.skipped_steps != engine_skips:
+        tally.add(run.engine.global_steps, "with a gradient norm not finite")
+    elif guard_skipped_all:
+        tally.add(steps + 1, "with a loss not finite or a spike")
+    elif run.engine.global_steps != steps:
+        tally.add(run.engine.global_steps, None)
+
+
+def epoch_batches(ctx: RankContext, run: DrafterRun, source: FeatureSource, clock: PhaseClock):
+    """(epoch, step in the epoch, sample indices, batch) for this rank until the run is done;
+    batch is None where this rank got no samples at that step."""
+    for epoch in range(run.start_epoch, ctx.config.train.epochs):
+        if run.finished:  # a run resumed from its final checkpoint trains no further step
+            return
+        run.sampler.set_epoch(epoch)
+        for batch_step, indices, batch in source.batches(run.sampler.rank_batches(run.drafter_rank), clock):
+            yield epoch, batch_step, indices, batch
+            if run.finished:  # before the source fetches (in split placement, requests) another batch
+                return
+
+
+def accumulation_windows(items, size: int):
+    """The micro-batches of one optimizer step at a time (checkpoints sit on step boundaries,
+    so a resumed run starts on one)."""
+    window = []
+    for item in items:
+        window.append(item)
+        if len(window) == size:
+            yield window
+            window = []
+    if window:
+        yield window
+
+
+def plan_window(ctx: RankContext, run: DrafterRun, window: list, clock: PhaseClock):
+    """Each micro-batch's blocks, and the loss denominators of the whole optimizer step: summed
+    over its micro-batches on every drafter rank (one all-reduce), so that the update does not
+    depend on how the samples fell on ranks and accumulation steps."""
+    blocks, local = [], torch.zeros(2, dtype=torch.float64, device=ctx.ranks.device)
+    for epoch, batch_step, _, batch in window:
+        if batch is None:  # this rank got no samples at this step: a zero step keeps lockstep
+            blocks.append(None)
+            continue
+        these = run.step.sample_blocks(batch.input_ids, batch.loss_mask,
+                                       anchor_generator(ctx.config.train.seed, epoch, batch_step, run.drafter_rank))
+        counts = run.step.denominators(these)
+        local += torch.stack([counts.weight, counts.positions]).double()
+        blocks.append(these)
+    dist.all_reduce(local, group=ctx.data_group)
+    clock.mark("anchors")
+    scale = len(ctx.topology.drafter_ranks) * ctx.config.train.grad_accum  # the engine averages over both
+    return blocks, LossDenominators(local[0].float(), local[1].float(), scale)
+
+
+def micro_batch_loss(ctx: RankContext, run: DrafterRun, batch: FeatureBatch | None, blocks: Blocks | None,
+                     denominators: LossDenominators) -> LossOutput:
+    if batch is None:
+        return run.step.empty_loss()
+    noise = feature_noise_std(run.engine.global_steps, run.total_steps, ctx.config.train.feature_noise_std)
+    return run.step.loss(blocks, batch.features, batch.final_hidden, noise_std=noise, denominators=denominators)
+
+
+def backward_and_step(run: DrafterRun, loss: torch.Tensor, clock: PhaseClock) -> bool:
+    """Backward and the engine step; True where this micro-batch ended an optimizer step."""
+    engine = run.engine
+    before, skipped_before = engine.global_steps, engine.skipped_steps
+    engine.backward(loss)
+    clock.mark("backward")
+    engine.step()  # ZeRO skips the update itself when the gradient norm is not finite
+    clock.mark("optimizer")
+    if engine.skipped_steps != skipped_before and run.is_main:
+        logger.warning("optimizer step %d skipped: the gradient norm was not finite (%d skipped so far)",
+                       engine.global_steps, engine.skipped_steps)
+    return engine.global_steps != before
+
+
+def anchor_generator(seed: int, epoch: int, step: int, drafter_rank: int) -> torch.Generator:
+    """Anchors are re-sampled every epoch and reproducible from (seed, epoch, step, rank),
+    whichever rank computed the features."""
+    return torch.Generator().manual_seed(((seed * 1_000_003 + epoch) * 1_000_003 + step) * 1_009 + drafter_rank)
+
+
+def finish(ctx: RankContext, run: DrafterRun, report: RunReport, source: FeatureSource,
+           tally: StepTally) -> TrainResult:
+    """Stop the transport, wait for the last checkpoint, report routing, export the drafter, then
+    wait for the targets to answer what was sent: nothing before the export needs a target rank,
+    so one that stalls after the last step costs a warning, not the run."""
+    source.stop()
+    run.checkpointer.wait()
+    routing = routing_report(source.served_by, ctx.topology, ctx.data_group)
+    if run.is_main and routing:
+        logger.info("%s", routing)
+    drafter_dir = ctx.out_dir / "drafter"
+    steps, seconds = run.engine.global_steps, report.seconds
+    if run.is_main:
+        export_drafter(run.engine.module, drafter_dir)
+        logger.info("trained %s in %.1f s; drafter exported to %s", steps_trained(report.first_step, steps, tally),
+                    seconds, drafter_dir)
+    report.close()
+    role = "colocated" if ctx.topology.colocated else "drafter"
+    return TrainResult(role, steps, seconds, drafter_dir, run.initial_dir, report.last,
+                       targets_finished=close_transport(ctx, source, drafter_dir))
+
+
+def steps_trained(first_step: int, last_step: int, tally: StepTally) -> str:
+    """The steps this run trained and skipped: "8 steps, skipped 0", or "4 steps, skipped 0 (steps
+    3-6; resumed from step 2)"."""
+    if first_step == 0:
+        return tally.summary()
+    span = f"steps {first_step + 1}-{last_step}; " if last_step > first_step else ""
+    return f"{tally.summary()} ({span}resumed from step {first_step})"
+
+
+def close_transport(ctx: RankContext, source: FeatureSource, drafter_dir: Path) -> bool:
+    """Whether every target answered to the end, as all drafter ranks agree (a rank that saw a
+    target stall must not wait for it at the final barrier, nor may the others)."""
+    try:
+        source.close()
+        finished = 1.0
+    except TransportError as err:
+        logger.warning("after the last step: %s (the drafter is exported to %s; the target ranks are left "
+                       "behind)", err, drafter_dir)
+        finished = 0.0
+    agreed = torch.tensor([finished], device=ctx.ranks.device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=ctx.data_group)
+    return bool(agreed.item() > 0)
+
+
+def routing_report(served_by: dict[int, int], topology: Topology, data_group) -> str:
+    """Which target rank computed how many micro-batches for which drafter rank, and which of
+    those pairs crossed nodes (collective over the drafter group)."""
+    if topology.colocated:
+        return ""
+    gathered: list[dict[int, int] | None] = [None] * len(topology.drafter_ranks)
+    dist.all_gather_object(gathered, served_by, group=data_group)
+    lines = ["routing (drafter rank <- target rank: micro-batches):"]
+    for drafter, counts in zip(topology.drafter_ranks, gathered):
+        for target, count in sorted(counts.items()):
+            crossed = topology.nodes[drafter] != topology.nodes[target]
+            lines.append(f"  {drafter} <- {target}: {count}{'  (crossed nodes)' if crossed else ''}")
+    return "\n".join(lines)

@@ -1,0 +1,110 @@
+"""What a drafter rank tells the user, each part deciding when it is due: the metrics window,
+the periodic exact tau, the progress line with metrics.jsonl and W&B, the profile, the ETA."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from dflash.drafter.flops import cost_shapes, measured_peak_tflops, micro_batch_flops
+from dflash.drafter.objective import LossOutput
+from dflash.eval.periodic import TauProbe, memorising
+from dflash.training.drafter_setup import DrafterRun, RankContext
+from dflash.training.metrics import MetricsLogger, WindowMetrics, progress_line
+from dflash.training.profiling import StepProfiler
+from dflash.util.phases import PhaseClock
+
+logger = logging.getLogger(__name__)
+
+PROFILE_AFTER_STEPS = 20  # compilation and allocator warm-up are over by then
+
+
+class RunReport:
+    def __init__(self, ctx: RankContext, run: DrafterRun, source):
+        config, device = ctx.config, ctx.ranks.device
+        self.ctx, self.run, self.source = ctx, run, source
+        self.clock = PhaseClock(device)
+        peak = measured_peak_tflops(device.index or 0) if device.type == "cuda" else None
+        self.window = WindowMetrics(ctx.dcfg.block_size, peak)
+        self.shapes = cost_shapes(ctx.dcfg, config.train.max_anchors, whole_target=config.train.kl_weight > 0)
+        self.probe = tau_probe(ctx) if run.is_main else None
+        self.metrics = MetricsLogger(ctx.out_dir, config.train.report_to, config.train.wandb_mode,
+                                     flat_config(config), enabled=run.is_main, start_step=run.engine.global_steps)
+        self.profiler = StepProfiler(ctx.out_dir, PROFILE_AFTER_STEPS, config.train.profile_steps, device,
+                                     enabled=run.is_main)
+        self.tau: dict = {}
+        self.last: dict = {}
+        self.started = time.perf_counter()
+        self.first_step = run.engine.global_steps
+
+    def micro_batch(self, out: LossOutput, indices: list[int]) -> None:
+        lengths = self.ctx.dataset.lengths[indices]
+        self.window.add(out, tokens=int(lengths.sum()),
+                        flops=micro_batch_flops(self.shapes, lengths, self.run.anchors[indices], with_target=True))
+
+    def optimizer_step(self, epoch: int, batch_step: int) -> None:
+        train, step = self.ctx.config.train, self.run.engine.global_steps
+        self.window.add_grad_norm(self.run.engine.get_global_grad_norm())
+        self.profiler.step_done(step)
+        if self.probe is not None and (step % train.eval_every == 0 or self.run.finished):
+            self.measure_tau()
+        if step % train.log_every == 0 or self.run.finished:
+            self.log(epoch, batch_step)
+
+    def measure_tau(self) -> None:
+        self.clock.mark("bookkeeping")
+        step = self.run.engine.global_steps
+        self.tau = {"tau_step": step, **self.probe.measure(self.run.engine.module)}
+        self.window.started += self.tau["eval_seconds"]  # the window's rates count training time only
+        self.clock.mark("eval")
+        logger.info("step %d: tau %.2f (exact, teacher-forced on %d held-out prompts; %.2f on as many training "
+                    "samples; %.1f s)", step, self.tau["tau"], len(self.probe.sequences), self.tau["train_tau"],
+                    self.tau["eval_seconds"])
+        if memorising(self.tau["train_tau"], self.tau["tau"]):
+            logger.warning("step %d: tau on training samples %.2f is far above the held-out %.2f: the drafter is "
+                           "memorising its data; train on more distinct samples (fewer epochs)",
+                           step, self.tau["train_tau"], self.tau["tau"])
+
+    def log(self, epoch: int, batch_step: int) -> None:
+        run, ctx = self.run, self.ctx
+        engine, elapsed = run.engine, time.perf_counter() - self.started
+        per_step = elapsed / max(engine.global_steps - self.first_step, 1)
+        last = self.window.summary(ctx.data_group, gpus=ctx.ranks.world_size)
+        last.update(self.tau)
+        last["time_split"] = {phase: round(seconds, 4) for phase, seconds in self.clock.split().items()}
+        last.update(step=engine.global_steps, epoch=epoch, epochs=ctx.config.train.epochs,
+                    epoch_fraction=(batch_step + 1) / run.sampler.steps_per_epoch(),
+                    lr=run.scheduler.get_last_lr()[0], elapsed_s=elapsed,
+                    eta_s=(run.total_steps - engine.global_steps) * per_step,
+                    queue_depths=self.source.queue_depths(), world_size=ctx.ranks.world_size,
+                    drafter_ranks=len(ctx.topology.drafter_ranks),
+                    skipped_micro_batches=run.guard.skipped, skipped_steps=engine.skipped_steps)
+        self.metrics.log(last)
+        if run.is_main:
+            logger.info(progress_line(last, run.total_steps))
+        self.window.reset()
+        self.last = last
+
+    @property
+    def seconds(self) -> float:
+        return time.perf_counter() - self.started
+
+    def close(self) -> None:
+        self.metrics.close()
+
+
+def tau_probe(ctx: RankContext) -> TauProbe | None:
+    """The periodic exact-tau eval, where it can run: with the target on the rank (colocated)."""
+    t, data = ctx.config.train, ctx.config.data
+    if t.eval_every == 0 or t.eval_prompts == 0 or data.eval_data is None:
+        return None
+    if not ctx.topology.colocated:
+        logger.info("periodic eval needs the target on the drafter rank (colocated); the final eval reports tau")
+        return None
+    return TauProbe(ctx.target, ctx.tokenizer, data.eval_data, t.eval_prompts, t.eval_max_new_tokens,
+                    ctx.config.model.block_size, ctx.dataset)
+
+
+def flat_config(config) -> dict:
+    return {**dataclasses.asdict(config.model), **dataclasses.asdict(config.data), **dataclasses.asdict(config.train)}

@@ -1,0 +1,164 @@
+"""GPU checks (run on a CUDA host: python -m pytest -m gpu). Flex attention with the block mask
+must agree with SDPA on the dense mask, forward and backward; the whole fast training step
+(flex, fused lm_head loss, compiled layers) with the naive one; the compiled target with the eager one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash.drafter.attention import BlockLayout, attend, dense_block_mask, flex_block_mask
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("window", [0, 64], ids=["full", "window64"])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+def test_flex_matches_dense_sdpa(dtype, tol, window):
+    assert torch.cuda.is_available(), "the gpu tests need a CUDA device"
+    torch.manual_seed(0)
+    b, s, n, bs, hq, hkv, d = 2, 300, 24, 16, 8, 2, 64
+    anchors = torch.stack([torch.randperm(s - 2)[:n].sort().values for _ in range(b)]).cuda()
+    valid = torch.ones(b, n, dtype=torch.bool, device="cuda")
+    valid[1, -5:] = False  # padding blocks
+    layout = BlockLayout(anchors, valid, s, bs, window=window)
+    q = torch.randn(b, hq, n * bs, d, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(b, hkv, s + n * bs, d, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(b, hkv, s + n * bs, d, device="cuda", dtype=dtype, requires_grad=True)
+    grad = torch.randn(b, hq, n * bs, d, device="cuda", dtype=dtype)
+
+    def run(mask):
+        for t in (q, k, v):
+            t.grad = None
+        out = attend(q, k, v, mask)
+        out.backward(grad)
+        return out.detach().float(), [t.grad.float() for t in (q, k, v)]
+
+    dense_out, dense_grads = run(dense_block_mask(layout))
+    flex_out, flex_grads = run(flex_block_mask(layout, n * bs))
+    real = valid.repeat_interleave(bs, dim=1)[:, None, :, None]
+    torch.testing.assert_close(flex_out * real, dense_out * real, rtol=tol, atol=tol)
+    for a, b_ in zip(flex_grads, dense_grads):
+        torch.testing.assert_close(a, b_, rtol=tol, atol=tol * 10)
+
+
+def drafter_step_for(kernels: str, dtype: torch.dtype):
+    """A small drafter (same seed, same weights) wired with the fast or the naive kernels, as
+    train.step_settings and the layer compile set them up."""
+    from transformers import Qwen3Config
+
+    from dflash.drafter.step import DrafterStep, StepSettings
+    from dflash.drafter.model import DFlashDrafter, drafter_config
+    from dflash.drafter.objective import slot_weights
+
+    vocab, hidden = 1000, 256
+    target_config = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=512, num_hidden_layers=8,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        drafter = DFlashDrafter(drafter_config(target_config, 2, [1, 3, 5], 16, vocab - 1)).to(dtype)
+        embed = torch.nn.Embedding(vocab, hidden, dtype=dtype).requires_grad_(False)
+        head = torch.nn.Linear(hidden, vocab, bias=False, dtype=dtype).requires_grad_(False)
+    fast = kernels == "fast"
+    if fast:
+        for layer in drafter.layers:
+            layer.compile(dynamic=True)
+    settings = StepSettings(max_anchors=48, slot_weights=slot_weights(16, 7.0),
+                            attention_backend="flex" if fast else "sdpa", fused_loss=fast,
+                            lm_head_chunk=100 if fast else 1 << 62)
+    return DrafterStep(drafter, embed, head, settings)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_fast_training_step_matches_the_naive_one(dtype, tol):
+    """Flex attention + fused lm_head loss + compiled layers give the loss and every parameter
+    gradient of dense-mask SDPA + full logits + eager layers, on a realistic block layout
+    (sampled anchors, padding blocks, two rows of different response spans)."""
+
+    b, s = 2, 400
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 999, (b, s), generator=generator).cuda()
+    loss_mask = torch.zeros(b, s, dtype=torch.bool, device="cuda")
+    loss_mask[0, 50:] = True
+    loss_mask[1, 300:330] = True  # fewer candidates than anchors: padding blocks in row 1
+    features = torch.randn(b, s, 3 * 256, generator=generator).cuda().to(dtype)
+    results = []
+    for kernels in ("fast", "naive"):
+        step = drafter_step_for(kernels, dtype)
+        blocks = step.sample_blocks(ids, loss_mask, torch.Generator().manual_seed(1))
+        out = step.loss(blocks, features)
+        out.loss.backward()
+        grads = {name: p.grad.float() for name, p in step.drafter.named_parameters()}
+        results.append((out.loss.detach().float(), grads, out.slot_correct))
+    (fast_loss, fast_grads, fast_correct), (naive_loss, naive_grads, naive_correct) = results
+    torch.testing.assert_close(fast_loss, naive_loss, rtol=tol, atol=tol)
+    assert fast_grads.keys() == naive_grads.keys()
+    for name in fast_grads:
+        scale = naive_grads[name].abs().max().clamp(min=1e-6)
+        torch.testing.assert_close(fast_grads[name] / scale, naive_grads[name] / scale, rtol=tol, atol=tol,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    if dtype == torch.float32:
+        assert torch.equal(fast_correct, naive_correct)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_compiled_target_features_match_eager(dtype, tol):
+    """The fast path compiles the target's MLPs and norms; features and a cached decode step
+    must stay what the eager model gives."""
+    from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
+
+    from dflash.target.frozen import FrozenTarget
+
+    config = Qwen3Config(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config).to("cuda", dtype)
+    ids = torch.randint(0, 1000, (3, 77), device="cuda")
+    eager = FrozenTarget(model, [1, 3, 4])
+    want = eager.features(ids).features
+    want_logits = eager.decode_step(ids[:, :5], DynamicCache()).logits
+    eager.compile_pointwise()
+    for length in (77, 50):  # two lengths: the dynamic compile must not be tied to the first
+        got = eager.features(ids[:, :length]).features
+        torch.testing.assert_close(got.float(), want[:, :length].float(), rtol=tol, atol=tol)
+    got_logits = eager.decode_step(ids[:, :5], DynamicCache()).logits
+    torch.testing.assert_close(got_logits.float(), want_logits.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_fast_decoding_with_cuda_graphs_gives_the_plain_paths_tokens(arch, monkeypatch):
+    """The static-cache path replays CUDA graphs only on a GPU: greedy and speculative decoding
+    (through rejected drafts of every length) and batched generation must give HF's tokens."""
+    import random
+
+    import dflash.eval.speculative as speculative
+    from conftest import tiny_drafter, tiny_target
+    from dflash.target.generate import greedy_batches
+
+    target = tiny_target(arch, dtype=torch.float32)
+    target.model.cuda()
+    prompts = [[5, 17, 3, 44, 9], [60, 2, 2, 2, 71, 30, 8, 1, 90, 12, 13]]
+    plain = [speculative.greedy_decode(target, p, 40, set()).tokens for p in prompts]
+    drafter = tiny_drafter(target, block_size=4).cuda().eval()
+    decoder = speculative.Decoder(target, drafter, 64, "fast")
+    assert decoder.draft.graphs.enabled
+    for prompt, tokens in zip(prompts, plain):
+        assert decoder.greedy(prompt, 40, set()).tokens == tokens
+        assert decoder.speculative(prompt, 40, set()).tokens == tokens
+    replies = {}
+    for indices, rows in greedy_batches(target, dict(enumerate(prompts)), 40, set(), batch_tokens=10_000):
+        replies.update(zip(indices, rows))
+    assert [replies[i] for i in range(len(prompts))] == plain
+    reference = prompts[1] + plain[1] + [0] * 4
+    rng = random.Random(0)
+
+    def oracle(session, last_token, anchor):  # right, then wrong at a random slot
+        guess = list(reference[anchor + 1: anchor + 4])
+        if rng.random() < 0.6:
+            guess[rng.randrange(3)] = (guess[0] + 1) % 90
+        return torch.tensor(guess, device="cuda")
+
+    monkeypatch.setattr(speculative.DraftSession, "propose", oracle)
+    spec = decoder.speculative(prompts[1], 40, set())
+    assert spec.tokens == plain[1]
+    assert min(spec.accepted) < 3 == max(spec.accepted)

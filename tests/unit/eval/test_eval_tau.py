@@ -1,0 +1,123 @@
+"""tau from one teacher-forced forward (the chain decoding walks over every anchor's streak)
+equals the tau of real speculative decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash.eval.evaluate import chain_walk, continuation, evaluate
+from dflash.eval.speculative import Decoder
+
+
+def test_chain_walk_follows_decoding():
+    # anchored at 0: 2 accepted, the target adds one token -> next anchor 3: 0 accepted -> 4: 5 -> 10
+    streaks = [2, 9, 9, 0, 5, 9, 9, 9, 9, 9, 1, 1]
+    assert chain_walk(streaks, produced=10) == [2, 0, 5]  # 10 reply tokens exist after that cycle
+    assert chain_walk(streaks, produced=12) == [2, 0, 5, 1]  # one more cycle, its block runs past the end
+    assert chain_walk([0, 0, 0], produced=3) == [0, 0]
+    assert chain_walk([4], produced=1) == []  # the prompt's forward made the only token
+
+
+def test_teacher_forced_tau_equals_real_tau_on_the_demo_target():
+    """The drafter is fitted to the evaluated prompts' own greedy continuations, so that cycles
+    accept several drafts whatever the demo target is like (its held-out answers are hard)."""
+    from dflash.data.chat_formats import load_chat_jsonl
+    from dflash.data.tokenization import load_tokenizer, prompt_ids
+    from dflash.demo import DEMO_HELDOUT_DATA, DEMO_TARGET_DIR
+    from dflash.drafter.step import DrafterStep, StepSettings
+    from dflash.drafter.model import DFlashDrafter, drafter_config
+    from dflash.drafter.objective import slot_weights
+    from dflash.target.frozen import FrozenTarget, default_target_layer_ids, resolve_mask_token_id
+
+    tokenizer = load_tokenizer(DEMO_TARGET_DIR)
+    layers = default_target_layer_ids(8, 3)
+    target = FrozenTarget.load(str(DEMO_TARGET_DIR), layers, torch.float32, torch.device("cpu"))
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(drafter_config(target.model.config, 1, layers, 8,
+                                           resolve_mask_token_id(tokenizer, target.model.config, None)))
+    step = DrafterStep(drafter, target.embed_tokens, target.lm_head,
+                       StepSettings(max_anchors=32, slot_weights=slot_weights(8, 4.0), attention_backend="sdpa"))
+    prompts = [prompt_ids(tokenizer, m) for m in load_chat_jsonl(DEMO_HELDOUT_DATA)[:8]]
+    decoder = Decoder(target, None, 512)
+    rows = [p + continuation(decoder, p, 48, set(), block_size=8)[0] for p in prompts]
+    width = max(map(len, rows))
+    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+    loss_mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for i, (prompt, row) in enumerate(zip(prompts, rows)):
+        input_ids[i, : len(row)] = torch.tensor(row)
+        loss_mask[i, len(prompt): len(row)] = True
+    features = target.features(input_ids).features
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        step.loss(step.sample_blocks(input_ids, loss_mask, generator), features).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    report = evaluate(target, drafter.eval(), prompts, 48, {tokenizer.eos_token_id})
+    assert report.tau > 1.5 and report.acceptance[1] > 0, "cycles must accept several drafts for this to mean something"
+    assert report.teacher_forced_tau == pytest.approx(report.tau, rel=0.02)
+    assert abs(1 + report.teacher_forced_streak - report.tau) > abs(report.teacher_forced_tau - report.tau)
+
+
+def test_prompt_only_held_out_files_give_the_same_prompts(tmp_path):
+    """--eval-data, `python -m dflash.eval --prompts` and the periodic eval take conversations
+    that end in a user turn: only the prompt is used, so dropping the replies changes nothing."""
+    import json
+
+    from dflash.config import EVAL_FLAGS, check_eval_flags, parse_config
+    from dflash.data.chat_formats import load_chat_jsonl
+    from dflash.data.tokenization import load_tokenizer
+    from dflash.demo import DEMO_HELDOUT_DATA, DEMO_TARGET_DIR
+    from dflash.eval.evaluate import load_prompts
+
+    prompt_only = tmp_path / "heldout.jsonl"
+    conversations = load_chat_jsonl(DEMO_HELDOUT_DATA)[:8]
+    prompt_only.write_text("".join(json.dumps({"messages": m[:-1]}) + "\n" for m in conversations))
+    tokenizer = load_tokenizer(DEMO_TARGET_DIR)
+    assert load_prompts(str(prompt_only), tokenizer, 8) == load_prompts(str(DEMO_HELDOUT_DATA), tokenizer, 8)
+    config = parse_config(["--target", str(DEMO_TARGET_DIR), "--train-data", str(DEMO_HELDOUT_DATA),
+                           "--eval-data", str(prompt_only), "--output-dir", str(tmp_path / "run")])
+    assert config.data.eval_data == str(prompt_only)
+    check_eval_flags(str(prompt_only), 8, 16, "float32", EVAL_FLAGS, min_prompts=1)
+
+
+def test_a_drafter_that_memorised_its_samples_is_told_apart(tmp_path):
+    """train_tau (the chain walk over training samples) against the held-out tau: a drafter fitted
+    to 8 training samples scores far higher on them than on held-out prompts."""
+    from dflash.data.dataset import TokenDataset
+    from dflash.data.tokenization import load_tokenizer
+    from dflash.data.prepare import prepare_dataset
+    from dflash.demo import DEMO_HELDOUT_DATA, DEMO_TARGET_DIR, DEMO_TRAIN_DATA
+    from dflash.drafter.step import DrafterStep, StepSettings
+    from dflash.drafter.model import DFlashDrafter, drafter_config
+    from dflash.drafter.objective import slot_weights
+    from dflash.eval.periodic import TauProbe, memorising
+    from dflash.target.frozen import FrozenTarget, default_target_layer_ids, resolve_mask_token_id
+
+    tokenizer = load_tokenizer(DEMO_TARGET_DIR)
+    layers = default_target_layer_ids(8, 3)
+    target = FrozenTarget.load(str(DEMO_TARGET_DIR), layers, torch.float32, torch.device("cpu"))
+    dataset = TokenDataset(prepare_dataset(DEMO_TRAIN_DATA, tokenizer, tmp_path / "shard", 256))
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(drafter_config(target.model.config, 1, layers, 8,
+                                           resolve_mask_token_id(tokenizer, target.model.config, None)))
+    step = DrafterStep(drafter, target.embed_tokens, target.lm_head,
+                       StepSettings(max_anchors=32, slot_weights=slot_weights(8, 4.0), attention_backend="sdpa"))
+    samples = [dataset[i] for i in range(8)]
+    width = max(len(ids) for ids, _ in samples)
+    input_ids = torch.full((8, width), tokenizer.pad_token_id)
+    loss_mask = torch.zeros((8, width), dtype=torch.bool)
+    for row, (ids, mask) in enumerate(samples):
+        input_ids[row, :len(ids)], loss_mask[row, :len(ids)] = torch.from_numpy(ids), torch.from_numpy(mask)
+    features = target.features(input_ids).features
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        step.loss(step.sample_blocks(input_ids, loss_mask, generator), features).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    probe = TauProbe(target, tokenizer, str(DEMO_HELDOUT_DATA), 8, 48, 8, dataset)
+    assert [len(p) + len(r) for p, r, _ in probe.train_sequences] == [len(ids) for ids, _ in samples]
+    result = probe.measure(drafter)
+    assert memorising(result["train_tau"], result["tau"]), result

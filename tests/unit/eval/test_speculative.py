@@ -1,0 +1,101 @@
+"""Speculative decoding is lossless: its output equals plain greedy decoding, on HF's forward
+(plain) and on the static-cache decoder (fast), and the fast path gives the plain path's tokens."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import dflash.eval.speculative as speculative
+from conftest import MASK_ID, tiny_drafter, tiny_target
+from dflash.target.static import StaticTarget
+
+PROMPTS = [[5, 17, 3, 44, 9], [60, 2, 2, 2, 71, 30, 8, 1, 90, 12, 13]]
+NEW_TOKENS = 40
+
+
+@pytest.mark.parametrize("kind", ["plain", "fast"])
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_real_drafter_output_equals_greedy(arch, prompt, kind):
+    target = tiny_target(arch)
+    drafter = tiny_drafter(target, block_size=4)
+    greedy = speculative.greedy_decode(target, prompt, NEW_TOKENS, eos_ids=set())
+    spec = speculative.speculative_decode(target, drafter, prompt, NEW_TOKENS, eos_ids=set(), kind=kind)
+    assert len(greedy.tokens) == NEW_TOKENS
+    assert spec.tokens == greedy.tokens
+    assert all(0 <= k <= 3 for k in spec.accepted)
+
+
+def test_fast_path_gives_the_plain_paths_tokens_and_features(arch):
+    """Same greedy tokens, and the same target features at every decoded position."""
+    target = tiny_target(arch)
+    prompt = PROMPTS[1]
+    plain = speculative.greedy_decode(target, prompt, NEW_TOKENS, eos_ids=set())
+    fast = speculative.greedy_decode(target, prompt, NEW_TOKENS, eos_ids=set(), kind="fast")
+    assert fast.tokens == plain.tokens
+    session = StaticTarget(target, batch=1, capacity=64)
+    ids = torch.tensor([prompt + plain.tokens])
+    session.prefill(ids[:, :5])
+    _, features = session.step(ids[:, 5:], 5)  # over the cache, as decoding does
+    torch.testing.assert_close(features, target.features(ids).features[:, 5:])
+
+
+@pytest.mark.parametrize("kind", ["plain", "fast"])
+def test_every_acceptance_length_stays_lossless(arch, kind, monkeypatch):
+    """An oracle drafter that knows the greedy answer but errs at random slots drives the
+    verifier through every acceptance length 0..B-1: caches must be cropped and extended right."""
+    target = tiny_target(arch)
+    block = 6
+    drafter = tiny_drafter(target, block_size=block)
+    prompt = PROMPTS[1]
+    reference = prompt + speculative.greedy_decode(target, prompt, NEW_TOKENS + block, eos_ids=set()).tokens
+    rng = random.Random(0)
+
+    def oracle(session, last_token, anchor):
+        assert last_token == reference[anchor]
+        guess = list(reference[anchor + 1: anchor + block])
+        if rng.random() < 0.6:
+            guess[rng.randrange(block - 1)] = MASK_ID - 1
+        return torch.tensor(guess)
+
+    monkeypatch.setattr(speculative.DraftSession, "propose", oracle)
+    spec = speculative.speculative_decode(target, drafter, prompt, NEW_TOKENS, eos_ids=set(), kind=kind)
+    assert spec.tokens == reference[len(prompt):len(prompt) + NEW_TOKENS]
+    assert max(spec.accepted) == block - 1 and min(spec.accepted) < block - 1
+    assert spec.target_forwards < NEW_TOKENS / 2
+
+
+def test_stops_at_eos():
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    greedy = speculative.greedy_decode(target, PROMPTS[0], NEW_TOKENS, eos_ids=set())
+    eos = greedy.tokens[7]
+    expected = greedy.tokens[: greedy.tokens.index(eos) + 1]
+    assert speculative.greedy_decode(target, PROMPTS[0], NEW_TOKENS, {eos}).tokens == expected
+    assert speculative.speculative_decode(target, drafter, PROMPTS[0], NEW_TOKENS, {eos}).tokens == expected
+    assert speculative.greedy_decode(target, PROMPTS[0], NEW_TOKENS, {eos}, kind="fast").tokens == expected
+
+
+def test_demo_target_output_equals_greedy():
+    """The shipped demo target with its tokenizer and held-out prompts."""
+    from dflash.data.chat_formats import load_chat_jsonl
+    from dflash.data.tokenization import load_tokenizer, prompt_ids
+    from dflash.demo import DEMO_HELDOUT_DATA, DEMO_TARGET_DIR
+    from dflash.drafter.model import DFlashDrafter, drafter_config
+    from dflash.target.frozen import FrozenTarget, default_target_layer_ids, resolve_mask_token_id
+
+    tokenizer = load_tokenizer(DEMO_TARGET_DIR)
+    layers = default_target_layer_ids(8, 5)
+    target = FrozenTarget.load(str(DEMO_TARGET_DIR), layers, torch.float32, torch.device("cpu"))
+    mask_id = resolve_mask_token_id(tokenizer, target.model.config, None)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(drafter_config(target.model.config, 1, layers, 8, mask_id))
+    eos = {tokenizer.eos_token_id}
+    for messages in load_chat_jsonl(DEMO_HELDOUT_DATA)[:2]:
+        prompt = prompt_ids(tokenizer, messages)
+        greedy = speculative.greedy_decode(target, prompt, 48, eos)
+        assert len(greedy.tokens) > 8
+        assert speculative.speculative_decode(target, drafter, prompt, 48, eos).tokens == greedy.tokens
+        assert speculative.speculative_decode(target, drafter, prompt, 48, eos, kind="fast").tokens == greedy.tokens

@@ -1,0 +1,62 @@
+"""The step-driven schedules: learning rate (warmup, cosine, rebase on a resume onto other
+ranks), the run's planned length, the feature noise."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from dflash.training.schedules import LRSchedule, feature_noise_std, planned_total_steps
+
+
+def test_lr_warms_up_linearly_then_decays_by_cosine_to_zero():
+    schedule = LRSchedule(total_steps=100, warmup_ratio=0.1)
+    assert schedule.warmup == 10
+    assert [schedule(s) for s in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])
+    assert schedule(10) == pytest.approx(1.0)
+    assert schedule(55) == pytest.approx(0.5)  # half way through the decay
+    assert schedule(100) == pytest.approx(0.0, abs=1e-12) and schedule(150) == pytest.approx(0.0, abs=1e-12)
+    decay = [schedule(s) for s in range(10, 101)]
+    assert all(a >= b for a, b in zip(decay, decay[1:]))
+    assert schedule.last_step() == 100
+
+
+def test_rebase_continues_the_curve_and_ends_at_the_new_total():
+    schedule = LRSchedule(total_steps=100, warmup_ratio=0.1)
+    here = schedule(40)
+    schedule.rebase(40, 70)  # 60 steps were left, now 30 are: the same curve, walked twice as fast
+    assert schedule(40) == pytest.approx(here)
+    assert schedule(55) == pytest.approx(LRSchedule(100, 0.1)(70))
+    assert schedule.last_step() == 70 and schedule(70) == pytest.approx(0.0, abs=1e-12)
+    schedule.rebase(55, 70)  # the same total leaves the curve as it is
+    assert schedule(60) == pytest.approx(LRSchedule(100, 0.1)(80))
+
+
+def run_config(epochs: int, max_steps: int = 0):
+    return SimpleNamespace(train=SimpleNamespace(epochs=epochs, max_steps=max_steps))
+
+
+def test_planned_total_steps():
+    assert planned_total_steps(run_config(3), 50) == 150
+    assert planned_total_steps(run_config(3, max_steps=70), 50) == 70
+    # resumed in epoch 1 (of 0..2) after 60 steps, with 25 steps left in that epoch as replanned
+    assert planned_total_steps(run_config(3), 50, done=60, epoch=1, rest_of_epoch=25) == 60 + 25 + 50
+
+
+def test_feature_noise_decays_by_cosine_to_zero():
+    assert feature_noise_std(0, 100, 0.1) == 0.1
+    assert feature_noise_std(50, 100, 0.1) == pytest.approx(0.05)
+    assert feature_noise_std(100, 100, 0.1) == 0.0 and feature_noise_std(200, 100, 0.1) == 0.0
+    assert feature_noise_std(10, 100, 0.0) == 0.0
+    assert math.isclose(feature_noise_std(25, 100, 0.2), 0.1 * (1 + math.cos(math.pi / 4)))
+
+
+def test_wsd_holds_the_peak_then_decays_linearly_over_the_last_share():
+    schedule = LRSchedule(total_steps=100, warmup_ratio=0.1, kind="wsd", decay_ratio=0.2)
+    assert [schedule(s) for s in (0, 9)] == pytest.approx([0.1, 1.0])
+    assert all(schedule(s) == 1.0 for s in range(10, 81))
+    assert [schedule(s) for s in (85, 90, 100)] == pytest.approx([0.75, 0.5, 0.0])
+    schedule.rebase(90, 120)  # a resume onto other ranks stretches the decay left
+    assert schedule(90) == pytest.approx(0.5) and schedule(105) == pytest.approx(0.25)
