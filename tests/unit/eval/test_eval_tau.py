@@ -10,6 +10,16 @@ from dflash.eval.evaluate import chain_walk, continuation, evaluate
 from dflash.eval.speculative import Decoder
 
 
+def fit(step, input_ids, loss_mask, features, steps: int = 60) -> None:
+    """Train the step's drafter on these sequences (AdamW, fixed seed)."""
+    optimizer = torch.optim.AdamW(step.drafter.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        step.loss(step.sample_blocks(input_ids, loss_mask, generator), features).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 def test_chain_walk_follows_decoding():
     # anchored at 0: 2 accepted, the target adds one token -> next anchor 3: 0 accepted -> 4: 5 -> 10
     streaks = [2, 9, 9, 0, 5, 9, 9, 9, 9, 9, 1, 1]
@@ -47,13 +57,7 @@ def test_teacher_forced_tau_equals_real_tau_on_the_demo_target():
     for i, (prompt, row) in enumerate(zip(prompts, rows)):
         input_ids[i, : len(row)] = torch.tensor(row)
         loss_mask[i, len(prompt): len(row)] = True
-    features = target.features(input_ids).features
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(60):
-        step.loss(step.sample_blocks(input_ids, loss_mask, generator), features).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    fit(step, input_ids, loss_mask, target.features(input_ids).features)
     report = evaluate(target, drafter.eval(), prompts, 48, {tokenizer.eos_token_id})
     assert report.tau > 1.5 and report.acceptance[1] > 0, "cycles must accept several drafts for this to mean something"
     assert report.teacher_forced_tau == pytest.approx(report.tau, rel=0.02)
@@ -110,13 +114,7 @@ def test_a_drafter_that_memorised_its_samples_is_told_apart(tmp_path):
     loss_mask = torch.zeros((8, width), dtype=torch.bool)
     for row, (ids, mask) in enumerate(samples):
         input_ids[row, :len(ids)], loss_mask[row, :len(ids)] = torch.from_numpy(ids), torch.from_numpy(mask)
-    features = target.features(input_ids).features
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(60):
-        step.loss(step.sample_blocks(input_ids, loss_mask, generator), features).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    fit(step, input_ids, loss_mask, target.features(input_ids).features)
     probe = TauProbe(target, tokenizer, str(DEMO_HELDOUT_DATA), 8, 48, 8, dataset)
     assert [len(p) + len(r) for p, r, _ in probe.train_sequences] == [len(ids) for ids, _ in samples]
     result = probe.measure(drafter)
