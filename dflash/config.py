@@ -53,7 +53,7 @@ class DataArgs:
     max_bad_fraction: float = field(default=0.01, metadata={"help": "with skip: more bad samples than this fraction stops the run"})
     bucket_boundaries: list[int] = field(default_factory=lambda: list(DEFAULT_BUCKETS))
     max_tokens: int | None = field(default=None, metadata={"help": "padded tokens per micro-batch (recipe 8192, demo 2048)"})
-    prepare_workers: int = field(default=0, metadata={"help": "processes tokenizing the data (0: all cores for files of 8 MB and more, else 1)"})
+    prepare_workers: int = field(default=0, metadata={"help": "processes tokenizing the data (0: the usable cores, up to 16, for files of 8 MB and more, else 1)"})
     max_draft_positions: int | None = field(default=None, metadata={"help": "padded draft positions (anchors x B) per micro-batch; default: from the memory model on a GPU, no limit on CPU; 0: no limit"})
 
 

@@ -17,7 +17,6 @@ available) of every micro-batch of every rank of one epoch.
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ import torch
 
 from dflash.config import DEFAULT_BUCKETS
 from dflash.data.dataset import TokenDataset, collate
+from dflash.data.prepare import usable_cores
 from dflash.data.sampler import RankAwareBucketSampler
 from dflash.data.shards import FORMAT_VERSION, IDS_FILE, LOSS_MASK_FILE, PrepareStats, write_index_and_manifest
 from dflash.util.cli import cli_parser
@@ -44,7 +44,7 @@ class DataBenchArgs:
     plan_epochs: int = 3
     pin_memory: bool | None = field(default=None, metadata={"help": "default: torch.cuda.is_available()"})
     shard: str | None = None  # a prepared shard folder instead of the synthetic one
-    prepare_samples: int = 0  # > 0: also time prepare_dataset on this many realistic chats, 1 vs all cores
+    prepare_samples: int = 0  # > 0: also time prepare_dataset on this many realistic chats, 1 vs the default workers
     seed: int = 0
     output: str | None = None
 
@@ -89,17 +89,17 @@ def time_epoch(dataset: TokenDataset, sampler: RankAwareBucketSampler, pin: bool
 
 def time_preparation(args: DataBenchArgs, folder: Path) -> list[dict]:
     """prepare_dataset (tokenize with the chat template, loss mask, shard) on chats of 300-2600
-    response tokens (dflash.benchmarks.assets, demo tokenizer), with one process and with all cores."""
+    response tokens (dflash.benchmarks.assets, demo tokenizer), with one process and with the default workers."""
     from dflash.benchmarks.assets import AssetArgs, write_chats
     from dflash.data.tokenization import load_tokenizer
-    from dflash.data.prepare import prepare_dataset
+    from dflash.data.prepare import default_prepare_workers, prepare_dataset
     from dflash.demo import DEMO_TARGET_DIR
 
     chats = folder / "chats.jsonl"
     write_chats(AssetArgs(samples=args.prepare_samples, seed=args.seed), chats)
     tokenizer = load_tokenizer(str(DEMO_TARGET_DIR))
     rows = []
-    for workers in sorted({1, os.cpu_count() or 1}):
+    for workers in sorted({1, default_prepare_workers(chats)}):
         started = time.perf_counter()
         shard = prepare_dataset(chats, tokenizer, folder / f"shard-{workers}", 3072, workers=workers)
         seconds = time.perf_counter() - started
@@ -118,7 +118,7 @@ def run(args: DataBenchArgs, shard: Path) -> dict:
     result = {"samples": len(dataset), "seq_tokens": int(dataset.lengths.sum()),
               "length_min_max": [int(dataset.lengths.min()), int(dataset.lengths.max())],
               "max_tokens": args.max_tokens, "buckets": DEFAULT_BUCKETS, "pin_memory": pin,
-              "cpu_count": os.cpu_count(), "torch": torch.__version__, "runs": []}
+              "cpu_count": usable_cores(), "torch": torch.__version__, "runs": []}
     for replicas in args.replicas:
         sampler = RankAwareBucketSampler(dataset.lengths, DEFAULT_BUCKETS, args.max_tokens, replicas, args.seed)
         plan_ms = []

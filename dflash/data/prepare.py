@@ -37,6 +37,7 @@ OVERFLOW_POLICIES = ("truncate", "drop")
 BAD_SAMPLE_POLICIES = ("skip", "error")
 
 PARALLEL_FROM_BYTES = 8 * 2**20  # smaller files are tokenized in one process
+MAX_PREPARE_WORKERS = 16  # past this, starting the spawned workers costs more than they save
 PROGRESS_EVERY_S = 10.0
 
 
@@ -241,13 +242,21 @@ def _tokenized_lines(source: Path, tokenizer, options: tuple[int, str], workers:
 
 
 def default_prepare_workers(source: Path) -> int:
-    """All cores (up to 32) for files worth it; one process for small files, where starting a
-    pool costs more than it saves."""
+    """The cores this process may use (up to 16) for files worth it; one process for small files,
+    where starting a pool costs more than it saves. os.cpu_count() counts the host's cores, not a
+    container's or a job's share: more workers than usable cores made tokenizing slower than one."""
     try:
         size = source.stat().st_size
     except OSError:
         return 1
-    return 1 if size < PARALLEL_FROM_BYTES else max(1, min(os.cpu_count() or 1, 32))
+    return 1 if size < PARALLEL_FROM_BYTES else max(1, min(usable_cores(), MAX_PREPARE_WORKERS))
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask), where the platform says."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 class _Progress:
