@@ -116,6 +116,8 @@ def test_a_drafter_that_memorised_its_samples_is_told_apart(tmp_path):
         input_ids[row, :len(ids)], loss_mask[row, :len(ids)] = torch.from_numpy(ids), torch.from_numpy(mask)
     fit(step, input_ids, loss_mask, target.features(input_ids).features)
     probe = TauProbe(target, tokenizer, str(DEMO_HELDOUT_DATA), 8, 48, 8, dataset)
-    assert [len(p) + len(r) for p, r, _ in probe.train_sequences] == [len(ids) for ids, _ in samples]
+    prompt_lengths = [int(mask.argmax()) for _, mask in samples]
+    assert [(len(p), len(r)) for p, r, _ in probe.train_sequences] == [
+        (first, min(len(ids) - first, 48)) for (ids, _), first in zip(samples, prompt_lengths)]  # cut as held out
     result = probe.measure(drafter)
     assert memorising(result["train_tau"], result["tau"]), result
