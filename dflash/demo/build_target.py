@@ -1,5 +1,9 @@
 """Train the embedded demo target: a tokenizer and a tiny Qwen3 model, from scratch.
 
+With --chats, the corpus is chat conversations (dflash/demo/chat_corpus.py), seen once, and the
+target's loss on held-out conversations is written beside it (build_report.json); without, it is
+the Python standard library (dflash/demo/corpus.py).
+
 The target only has to be good enough that its greedy continuations of Python code
 are plausible and fairly predictable, which is what gives a drafter something to
 learn. Everything is seeded; given ``--seed`` and ``--steps`` a rerun on the same
@@ -9,6 +13,7 @@ repeated exactly with ``--steps``.
 
     python -m dflash.demo.build_target --minutes 12
     python -m dflash.demo.build_target --device cuda --batch-size 64 --workers 12 --steps 20000
+    python -m dflash.demo.build_target --device cuda --chats runs/real/data/regen.jsonl --batch-size 64
 """
 
 import argparse
@@ -27,6 +32,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from dflash.demo import DEMO_TARGET_DIR
+from dflash.demo.chat_corpus import collate, conversation_texts, encode_all, load_conversations, mean_loss, one_pass
 from dflash.demo.corpus import (CHAT_TEMPLATE, PROMPT_LINES, RESPONSE_LINES, SnippetSampler, SourceFile, load_sources,
                                 user_prompt)
 from dflash.util.runtime import pick_device
@@ -51,6 +57,8 @@ BUCKET_BATCHES = 8
 LOG_EVERY = 25
 # The checkpoint is written in shards of at most this size, so that no tracked file is large.
 SHARD_SIZE = "8MB"
+# Written next to a target built from chats: its losses, read by the demo quality test.
+BUILD_REPORT = "build_report.json"
 
 
 def parse_args() -> argparse.Namespace:
@@ -69,11 +77,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="auto", help="auto (cuda when there is one) | cpu | cuda")
     parser.add_argument("--workers", type=int, default=0,
                         help="processes making batches (0: in the training process; a GPU outruns one)")
+    parser.add_argument("--chats", type=Path, nargs="+", help="chat JSONL files: train on their conversations instead")
+    parser.add_argument("--epochs", type=int, default=1, help="--chats: passes over the conversations")
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=8)
     return parser.parse_args()
 
 
-def train_tokenizer(sources: list[SourceFile], vocab_size: int) -> PreTrainedTokenizerFast:
-    """Byte-level BPE over the training files, wrapped with the ChatML template."""
+def train_tokenizer(texts: Iterator[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """Byte-level BPE over the training texts, wrapped with the ChatML template."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -88,7 +100,7 @@ def train_tokenizer(sources: list[SourceFile], vocab_size: int) -> PreTrainedTok
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(("\n".join(source.lines) for source in sources), trainer=trainer)
+    tokenizer.train_from_iterator(texts, trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         eos_token="<|im_end|>",
@@ -99,8 +111,8 @@ def train_tokenizer(sources: list[SourceFile], vocab_size: int) -> PreTrainedTok
     )
 
 
-def build_config(tokenizer: PreTrainedTokenizerFast, intermediate_size: int) -> Qwen3Config:
-    """Tiny Qwen3 sized to keep the bf16 checkpoint around 7 MB.
+def build_config(tokenizer: PreTrainedTokenizerFast, args: argparse.Namespace) -> Qwen3Config:
+    """Tiny Qwen3 (defaults: a bf16 checkpoint around 14 MB).
 
     The vocab is padded to a multiple of 64 and always past len(tokenizer), leaving
     embedding rows the target never emits (the drafter's mask token lives there).
@@ -108,11 +120,11 @@ def build_config(tokenizer: PreTrainedTokenizerFast, intermediate_size: int) -> 
     vocab_size = (len(tokenizer) // 64 + 1) * 64
     return Qwen3Config(
         vocab_size=vocab_size,
-        hidden_size=256,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden_size // 64,
+        num_key_value_heads=max(1, args.hidden_size // 128),
         head_dim=64,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
@@ -172,18 +184,6 @@ class BatchStream(torch.utils.data.IterableDataset):
         info = torch.utils.data.get_worker_info()
         seed = self.seed + 1000 * (info.id if info is not None else 0)
         yield from batches(SnippetSampler(self.sources, seed), self.tokenizer, self.batch_size, self.max_length, seed)
-
-
-def collate(group: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    width = max(len(ids) for ids, _ in group)
-    input_ids = torch.full((len(group), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(group), width), -100, dtype=torch.long)
-    attention_mask = torch.zeros((len(group), width), dtype=torch.long)
-    for row, (ids, row_labels) in enumerate(group):
-        input_ids[row, : len(ids)] = torch.tensor(ids)
-        labels[row, : len(ids)] = torch.tensor(row_labels)
-        attention_mask[row, : len(ids)] = 1
-    return input_ids, attention_mask, labels
 
 
 def lr_factor(step: int, warmup: int, total: int) -> float:
@@ -262,21 +262,52 @@ def main() -> None:
         raise SystemExit(f"--warmup-steps {args.warmup_steps}: at least 2 (--minutes times the warmup's second half)")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    sources = load_sources(heldout=False)
-    logger.info("training on %d stdlib files (%d lines)", len(sources), sum(len(s.lines) for s in sources))
-    tokenizer = train_tokenizer(sources, args.vocab_size)
-    config = build_config(tokenizer, args.intermediate_size)
+    if args.chats:
+        train_chats, heldout_chats = load_conversations(args.chats)
+        logger.info("training on %d conversations (%d held out)", len(train_chats), len(heldout_chats))
+        tokenizer = train_tokenizer(conversation_texts(train_chats), args.vocab_size)
+    else:
+        sources = load_sources(heldout=False)
+        logger.info("training on %d stdlib files (%d lines)", len(sources), sum(len(s.lines) for s in sources))
+        tokenizer = train_tokenizer(("\n".join(source.lines) for source in sources), args.vocab_size)
+    config = build_config(tokenizer, args)
     logger.info("tokenizer has %d tokens; model vocab_size %d", len(tokenizer), config.vocab_size)
     model = Qwen3ForCausalLM(config).to(pick_device(args.device, 0))
     logger.info("model has %.2fM parameters", sum(p.numel() for p in model.parameters()) / 1e6)
-    stream = BatchStream(sources, tokenizer, args.batch_size, args.max_length, args.seed)
-    loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=args.workers,
-                                         prefetch_factor=8 if args.workers else None)
-    stats = train(model, iter(loader), args)
+    if args.chats:
+        stats = train_on_chats(model, tokenizer, train_chats, heldout_chats, args)
+    else:
+        stream = BatchStream(sources, tokenizer, args.batch_size, args.max_length, args.seed)
+        loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=args.workers,
+                                             prefetch_factor=8 if args.workers else None)
+        stats = train(model, iter(loader), args)
     save(model, tokenizer, args.output_dir)
     summary = {"seed": args.seed, "len_tokenizer": len(tokenizer), "vocab_size": config.vocab_size, **stats}
+    if args.chats:
+        (args.output_dir / BUILD_REPORT).write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
 
+
+def train_on_chats(model: Qwen3ForCausalLM, tokenizer, train_chats: list, heldout_chats: list,
+                   args: argparse.Namespace) -> dict:
+    """--epochs passes over the training conversations, then the loss per supervised token on the
+    held-out ones and on as many training ones: a target that follows its prompt scores about the
+    same on both (the demo quality test holds it to HELDOUT_LOSS_RATIO)."""
+    train_samples = encode_all(tokenizer, train_chats, args.max_length)
+    heldout_samples = encode_all(tokenizer, heldout_chats, args.max_length)
+    pad = tokenizer.pad_token_id
+    passes = [one_pass(train_samples, args.batch_size, pad, args.seed + epoch) for epoch in range(args.epochs)]
+    args.steps = sum(map(len, passes))
+    logger.info("%d training samples, %d tokens: %d steps (%d conversations left out: no reply within "
+                "--max-length %d)", len(train_samples), sum(len(ids) for ids, _ in train_samples), args.steps,
+                len(train_chats) - len(train_samples), args.max_length)
+    stats = train(model, itertools.chain.from_iterable(passes), args)
+    model.eval()
+    seen = random.Random(args.seed).sample(train_samples, min(len(train_samples), len(heldout_samples)))
+    stats["train_loss"] = round(mean_loss(model, seen, args.batch_size, pad), 4)
+    stats["heldout_loss"] = round(mean_loss(model, heldout_samples, args.batch_size, pad), 4)
+    stats["train_tokens"] = sum(len(ids) for ids, _ in train_samples) * args.epochs
+    return stats
 
 if __name__ == "__main__":
     main()

@@ -8,6 +8,10 @@ For each assistant answer: the distinct-bigram ratio over the target tokenizer's
 (distinct adjacent pairs / all pairs; a loop that repeats itself scores low) and whether one
 non-blank line occurs three or more times. The demo target is good enough when the median ratio
 is at least MIN_DISTINCT_BIGRAMS and at most MAX_REPEATING_SHARE of the answers repeat a line.
+
+Whether answers depend on their prompt: the share of answers whose first OPENING_TOKENS tokens no
+other answer shares (a target that answers from its weights gives many prompts one opening), and,
+for a target built from chats, its held-out loss against its training loss (build_report.json).
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ MIN_DISTINCT_BIGRAMS = 0.6
 MAX_REPEATING_SHARE = 0.10
 REPEATS = 3  # occurrences of one line that count as a loop
 REFERENCE_SAMPLES = 500
+OPENING_TOKENS = 16
+MIN_DISTINCT_OPENINGS = 0.9
+MAX_HELDOUT_LOSS_RATIO = 1.3
 
 
 def distinct_bigram_ratio(ids: list[int]) -> float:
@@ -39,14 +46,29 @@ def repeats_a_line(text: str) -> bool:
     return bool(counts) and max(counts.values()) >= REPEATS
 
 
+def distinct_opening_share(answers: list[list[int]]) -> float:
+    """Share of answers (token ids) whose first OPENING_TOKENS tokens are theirs alone."""
+    openings = Counter(tuple(ids[:OPENING_TOKENS]) for ids in answers)
+    return sum(openings[tuple(ids[:OPENING_TOKENS])] == 1 for ids in answers) / max(len(answers), 1)
+
+
+def heldout_loss_ratio(build_report: dict) -> float:
+    """The target's loss on held-out conversations over its loss on training ones."""
+    return build_report["heldout_loss"] / build_report["train_loss"]
+
+
 def answer_quality(answers: list[str], tokenizer) -> dict:
-    ratios = [distinct_bigram_ratio(tokenizer.encode(a, add_special_tokens=False)) for a in answers]
+    encoded = [tokenizer.encode(a, add_special_tokens=False) for a in answers]
+    ratios = [distinct_bigram_ratio(ids) for ids in encoded]
     repeating = sum(repeats_a_line(a) for a in answers) / len(answers)
+    openings = distinct_opening_share(encoded)
     return {
         "answers": len(answers),
         "median_distinct_bigram_ratio": round(statistics.median(ratios), 3),
         "repeating_line_share": round(repeating, 3),
-        "good_enough": statistics.median(ratios) >= MIN_DISTINCT_BIGRAMS and repeating <= MAX_REPEATING_SHARE,
+        "distinct_opening_share": round(openings, 3),
+        "good_enough": (statistics.median(ratios) >= MIN_DISTINCT_BIGRAMS and repeating <= MAX_REPEATING_SHARE
+                        and openings >= MIN_DISTINCT_OPENINGS),
     }
 
 
@@ -69,7 +91,9 @@ def main() -> None:
     else:
         print(f"{quality['answers']} answers: median distinct-bigram ratio {quality['median_distinct_bigram_ratio']} "
               f"(want >= {MIN_DISTINCT_BIGRAMS}), a line repeated {REPEATS}+ times in "
-              f"{quality['repeating_line_share']:.0%} (want <= {MAX_REPEATING_SHARE:.0%})")
+              f"{quality['repeating_line_share']:.0%} (want <= {MAX_REPEATING_SHARE:.0%}), a first "
+              f"{OPENING_TOKENS} tokens of their own in {quality['distinct_opening_share']:.0%} "
+              f"(want >= {MIN_DISTINCT_OPENINGS:.0%})")
 
 
 if __name__ == "__main__":

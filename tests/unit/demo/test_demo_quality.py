@@ -29,11 +29,14 @@ def test_a_line_repeated_three_times_is_a_loop():
 
 def test_answer_quality_separates_varied_code_from_loops():
     tokenizer = AutoTokenizer.from_pretrained(DEMO_TARGET_DIR)
-    good = answer_quality([VARIED] * 9 + [LOOP], tokenizer)
-    bad = answer_quality([LOOP] * 5 + [VARIED] * 5, tokenizer)
+    varied = [f"width_{i} = {i}\n{VARIED}" for i in range(9)]  # distinct openings, as distinct prompts give
+    good = answer_quality(varied + [LOOP], tokenizer)
+    bad = answer_quality([LOOP] * 5 + varied[:5], tokenizer)
+    same_opening = answer_quality([VARIED] * 9 + [LOOP], tokenizer)
     assert good["median_distinct_bigram_ratio"] > 0.6 and good["repeating_line_share"] == 0.1
     assert good["good_enough"]
     assert bad["repeating_line_share"] == 0.5 and not bad["good_enough"]
+    assert same_opening["distinct_opening_share"] == 0.1 and not same_opening["good_enough"]
 
 
 def test_the_shipped_demo_answers_are_plausible_code():
@@ -48,3 +51,39 @@ def test_reference_mode_measures_real_code(monkeypatch, capsys):
     main()
     figures = json.loads(capsys.readouterr().out)
     assert figures["answers"] == REFERENCE_SAMPLES and figures["median_distinct_bigram_ratio"] > 0.6
+
+
+def test_answers_that_share_their_opening_do_not_count_as_prompt_dependent():
+    from dflash.demo.quality import OPENING_TOKENS, distinct_opening_share
+
+    same_start = [1] * OPENING_TOKENS
+    assert distinct_opening_share([same_start + [2], same_start + [3], [4, 5], [6]]) == 0.5
+    assert distinct_opening_share([[1], [2], [3]]) == 1.0
+
+
+def test_a_target_built_from_chats_loads_and_reports_its_held_out_loss(tmp_path, monkeypatch):
+    """python -m dflash.demo.build_target --chats: a loadable tiny Qwen3 with its own tokenizer,
+    trained one pass, and build_report.json with losses below the uniform guess's."""
+    import math
+
+    from transformers import AutoModelForCausalLM
+
+    from dflash.demo import build_target
+    from dflash.demo.chat_corpus import HELDOUT_MODULUS
+    from dflash.demo.quality import heldout_loss_ratio
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(DEMO_TRAIN_DATA.read_text().splitlines(keepends=True)[:8 * HELDOUT_MODULUS]))
+    out = tmp_path / "target"
+    monkeypatch.setattr(sys, "argv", ["build_target", "--chats", str(chats), "--output-dir", str(out),
+                                      "--hidden-size", "64", "--layers", "2", "--intermediate-size", "128",
+                                      "--vocab-size", "512", "--batch-size", "16", "--max-length", "512",
+                                      "--warmup-steps", "4", "--epochs", "4"])
+    build_target.main()
+    report = json.loads((out / build_target.BUILD_REPORT).read_text())
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.num_hidden_layers == 2 and model.config.hidden_size == 64
+    assert AutoTokenizer.from_pretrained(out).chat_template
+    uniform = math.log(model.config.vocab_size)
+    assert report["train_loss"] < 0.8 * uniform and report["heldout_loss"] < 0.8 * uniform, report
+    assert 0.5 < heldout_loss_ratio(report) < 2, report
