@@ -7,6 +7,7 @@ is given (the shipped demo target and data, sized to finish in minutes on a lapt
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import json
 import math
 import sys
@@ -331,6 +332,9 @@ def validate(config: RunConfig, for_training: bool = True) -> None:
     _require(t.credits >= 1, f"--credits {t.credits}: need at least 1")
     _require(t.grad_accum >= 1, f"--grad-accum {t.grad_accum}: need at least 1")
     _require(t.report_to in ("wandb", "none"), f"--report-to {t.report_to}: use wandb or none")
+    _require(t.report_to != "wandb" or t.wandb_mode == "disabled" or importlib.util.find_spec("wandb") is not None,
+             "--report-to wandb: the wandb package is not installed in this environment; install it "
+             "(pip install -r requirements.txt) or pass --report-to none (metrics.jsonl is written either way)")
     _require(t.kl_weight >= 0 and t.feature_noise_std >= 0, "--kl-weight and --feature-noise-std must be >= 0")
     _require(t.device in ("auto", "cpu", "cuda"), f"--device {t.device}: use auto, cpu or cuda")
     if t.deepspeed_config is not None:

@@ -129,6 +129,15 @@ def test_device_cuda_without_a_gpu_is_refused_before_set_up(capsys, paths):
                "--device cuda: no CUDA device is visible on this machine; use --device cpu")
 
 
+def test_report_to_wandb_without_the_package_is_refused_before_set_up(capsys, paths, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    fails_with(capsys, ["--target", paths["target"], "--train-data", paths["data"]],
+               "--report-to wandb: the wandb package is not installed", "--report-to none")
+
+
 def test_an_output_dir_with_an_earlier_run_needs_resume_or_overwrite(capsys, paths):
     out = paths["tmp"] / "run"
     (out / "checkpoints").mkdir(parents=True)
