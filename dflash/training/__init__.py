@@ -2,5 +2,5 @@
 (shard), LR and noise schedules (schedules), the spike guard (spike), checkpoints (checkpoint),
 metrics and what a rank reports (metrics, run_report, profiling), the memory model (memory).
 
-May import: every layer below (util, demo, target, data, drafter, placement, config, eval).
+May import: every layer below (util, target, data, demo, drafter, placement, config, eval).
 """
