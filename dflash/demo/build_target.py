@@ -32,7 +32,8 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from dflash.demo import DEMO_TARGET_DIR
-from dflash.demo.chat_corpus import collate, conversation_texts, encode_all, load_conversations, mean_loss, one_pass
+from dflash.demo.chat_corpus import (collate, conversation_texts, encode_all, load_conversations, mean_loss, one_pass,
+                                     padded_batches)
 from dflash.demo.corpus import (CHAT_TEMPLATE, PROMPT_LINES, RESPONSE_LINES, SnippetSampler, SourceFile, load_sources,
                                 user_prompt)
 from dflash.util.runtime import pick_device
@@ -296,12 +297,13 @@ def train_on_chats(model: Qwen3ForCausalLM, tokenizer, train_chats: list, heldou
     train_samples = encode_all(tokenizer, train_chats, args.max_length)
     heldout_samples = encode_all(tokenizer, heldout_chats, args.max_length)
     pad = tokenizer.pad_token_id
-    passes = [one_pass(train_samples, args.batch_size, pad, args.seed + epoch) for epoch in range(args.epochs)]
-    args.steps = sum(map(len, passes))
+    lengths = [len(ids) for ids, _ in train_samples]
+    groups = [g for epoch in range(args.epochs) for g in one_pass(lengths, args.batch_size, args.seed + epoch)]
+    args.steps = len(groups)
     logger.info("%d training samples, %d tokens: %d steps (%d conversations left out: no reply within "
                 "--max-length %d)", len(train_samples), sum(len(ids) for ids, _ in train_samples), args.steps,
                 len(train_chats) - len(train_samples), args.max_length)
-    stats = train(model, itertools.chain.from_iterable(passes), args)
+    stats = train(model, padded_batches(train_samples, groups, pad), args)
     model.eval()
     seen = random.Random(args.seed).sample(train_samples, min(len(train_samples), len(heldout_samples)))
     stats["train_loss"] = round(mean_loss(model, seen, args.batch_size, pad), 4)

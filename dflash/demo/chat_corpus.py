@@ -82,19 +82,25 @@ def collate(group: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torc
     return input_ids, attention_mask, labels
 
 
-def one_pass(samples: list, batch_size: int, pad_id: int, seed: int) -> list[tuple[torch.Tensor, ...]]:
-    """Every sample once, shuffled by the seed, in batches of similar lengths."""
-    order = list(range(len(samples)))
+def one_pass(lengths: list[int], batch_size: int, seed: int) -> list[list[int]]:
+    """Every sample index once, shuffled by the seed, grouped into batches of similar lengths."""
+    order = list(range(len(lengths)))
     rng = random.Random(seed)
     rng.shuffle(order)
-    batches = []
+    groups = []
     pool_size = batch_size * BUCKET_BATCHES
     for start in range(0, len(order), pool_size):
-        pool = sorted(order[start:start + pool_size], key=lambda i: len(samples[i][0]))
-        groups = [pool[i:i + batch_size] for i in range(0, len(pool), batch_size)]
-        rng.shuffle(groups)
-        batches.extend(collate([samples[i] for i in group], pad_id) for group in groups)
-    return batches
+        pool = sorted(order[start:start + pool_size], key=lambda i: lengths[i])
+        batches = [pool[i:i + batch_size] for i in range(0, len(pool), batch_size)]
+        rng.shuffle(batches)
+        groups.extend(batches)
+    return groups
+
+
+def padded_batches(samples: list, groups: list[list[int]], pad_id: int) -> Iterator[tuple[torch.Tensor, ...]]:
+    """The padded batches of `groups`, made as they are consumed."""
+    for group in groups:
+        yield collate([samples[i] for i in group], pad_id)
 
 
 @torch.no_grad()
@@ -102,7 +108,7 @@ def mean_loss(model, samples: list, batch_size: int, pad_id: int) -> float:
     """Mean loss per supervised token over `samples`."""
     device = next(model.parameters()).device
     total, tokens = 0.0, 0
-    for batch in one_pass(samples, batch_size, pad_id, seed=0):
+    for batch in padded_batches(samples, one_pass([len(ids) for ids, _ in samples], batch_size, seed=0), pad_id):
         input_ids, attention_mask, labels = (t.to(device) for t in batch)
         count = int((labels[:, 1:] != IGNORE_INDEX).sum())
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
