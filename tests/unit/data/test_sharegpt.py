@@ -86,6 +86,25 @@ def test_held_out_conversations_and_their_parts_are_never_trained_on(tmp_path):
     assert not any(len(p["messages"]) == 1 and p["messages"][0]["content"] in held_texts for p in train)
 
 
+def test_train_conversations_are_whole_and_never_held_out(tmp_path):
+    records = [dialogue(f"c{i}_0", humans=2) for i in range(30)]
+    records += [dialogue(f"c{i}_4", humans=1) for i in range(30)]  # later parts of the same conversations
+    records += [conversation("e_0", turn("human", "a question asked at some length"), turn("gpt", "an answer"),
+                             turn("human", "a second question, also long"), turn("gpt", "  "),
+                             turn("human", "after the empty reply"), turn("gpt", "never trained"))]
+    records += [conversation("q_0", turn("human", "a question that got no answer at all"))]
+    report, heldout, _ = build(tmp_path, records, heldout=6, conversations=True)
+
+    path = tmp_path / "out" / sharegpt.CONVERSATIONS_FILE
+    written = {row["id"]: row["messages"] for row in read_jsonl(path)}
+    held = {p["id"].split("_")[0] for p in heldout}
+    expected = {r["id"]: as_messages(r["conversations"]) for r in records
+                if r["id"].split("_")[0] not in held | {"e", "q"}}
+    assert {k: v for k, v in written.items() if k != "e_0"} == expected  # whole, every part, none held out
+    assert written["e_0"] == as_messages(records[-2]["conversations"][:3])  # cut before the empty reply
+    assert report.train_conversations == len(written) == len(load_chat_jsonl(path))  # trainable as it is
+
+
 def test_the_split_depends_on_the_ids_only(tmp_path):
     records = [dialogue(f"c{i}_0", humans=1) for i in range(30)]
     _, first, _ = build(tmp_path / "a", records, heldout=5)
