@@ -332,7 +332,9 @@ def validate(config: RunConfig, for_training: bool = True) -> None:
     _require(t.credits >= 1, f"--credits {t.credits}: need at least 1")
     _require(t.grad_accum >= 1, f"--grad-accum {t.grad_accum}: need at least 1")
     _require(t.report_to in ("wandb", "none"), f"--report-to {t.report_to}: use wandb or none")
-    _require(t.report_to != "wandb" or t.wandb_mode == "disabled" or importlib.util.find_spec("wandb") is not None,
+    # the data tools (for_training=False) report nothing: a host without wandb may prepare the data
+    _require(not for_training or t.report_to != "wandb" or t.wandb_mode == "disabled"
+             or importlib.util.find_spec("wandb") is not None,
              "--report-to wandb: the wandb package is not installed in this environment; install it "
              "(pip install -r requirements.txt) or pass --report-to none (metrics.jsonl is written either way)")
     _require(t.kl_weight >= 0 and t.feature_noise_std >= 0, "--kl-weight and --feature-noise-std must be >= 0")

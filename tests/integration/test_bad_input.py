@@ -136,6 +136,10 @@ def test_report_to_wandb_without_the_package_is_refused_before_set_up(capsys, pa
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
     fails_with(capsys, ["--target", paths["target"], "--train-data", paths["data"]],
                "--report-to wandb: the wandb package is not installed", "--report-to none")
+    # the data tools (`python -m dflash.data prepare`) report nothing, so they need no wandb
+    from dflash.config import parse_config
+
+    assert parse_config(["--target", paths["target"], "--train-data", paths["data"]], for_training=False)
 
 
 def test_an_output_dir_with_an_earlier_run_needs_resume_or_overwrite(capsys, paths):
