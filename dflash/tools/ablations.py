@@ -6,6 +6,11 @@ as mean and spread.
     python -m dflash.tools.ablations --out runs/ablations --seeds 0,1,2 --parallel 8
     python -m dflash.tools.ablations --out /tmp/abl --groups loss --seeds 0 --extra "--max-steps 20"
     python -m dflash.tools.ablations --out runs/ablations --table-only   # what has finished so far
+    python -m dflash.tools.ablations --out runs/abl_real --baseline "" --groups distillation --seeds 0 \
+        --extra "--target model.gguf --train-data regen.jsonl --eval-data heldout.jsonl --max-steps 400"
+
+The baseline is `--loss ce` unless --baseline says otherwise ("" for the recipe's own defaults,
+e.g. on a real target); one --out holds one baseline's runs.
 
 Runs that already wrote eval.json are reused, so an interrupted sweep continues where it
 stopped. The table goes to <out>/ablations.md and the numbers to <out>/ablations.json.
@@ -28,22 +33,25 @@ import torch
 from dflash.config import REPO_ROOT
 from dflash.util.cli import cli_parser
 
-# Every run starts from these flags, so the table stays one baseline as defaults move: the
-# recipe's loss became dpace because of this table, measured against the CE baseline.
-BASELINE = ["--loss", "ce"]
+# Every run starts from these flags (--baseline), so the table stays one baseline as defaults
+# move: the recipe's loss became dpace because of this table, measured against the CE baseline.
+BASELINE = "--loss ce"
 # group -> [(variant name, flags after BASELINE)]; the first variant of each group is the baseline.
 GROUPS: dict[str, list[tuple[str, list[str]]]] = {
     "loss": [("ce", []), ("dpace", ["--loss", "dpace"]), ("ce+dpace", ["--loss", "ce+dpace"])],
     "slot weights": [("decay", []), ("uniform", ["--slot-weights", "uniform"])],
     "anchors": [("random", []), ("stride", ["--anchors", "stride"])],
     "feature layers": [("5", []), ("3", ["--num-target-features", "3"]), ("1", ["--num-target-features", "1"])],
-    "draft layers": [("2", []), ("1", ["--num-draft-layers", "1"]), ("3", ["--num-draft-layers", "3"])],
+    "draft layers": [("default", []), ("1", ["--num-draft-layers", "1"]), ("3", ["--num-draft-layers", "3"]),
+                     ("8", ["--num-draft-layers", "8"])],
     "attention": [("full", []), ("window 64", ["--draft-window", "64"])],
     "optimizer": [("adamw", []), ("muon", ["--optimizer", "muon"]),
                   ("muon, lr 0.08", ["--optimizer", "muon", "--muon-lr", "0.08"]),
                   ("muon, lr 0.2", ["--optimizer", "muon", "--muon-lr", "0.2"])],
     "lr schedule": [("cosine", []), ("wsd", ["--lr-schedule", "wsd"])],
     "features": [("target's", []), ("zeroed (control)", ["--zero-features"])],
+    "distillation": [("off", []), ("kl 1", ["--kl-weight", "1"])],
+    "feature noise": [("off", []), ("0.1", ["--feature-noise-std", "0.1"])],
 }
 
 
@@ -54,6 +62,7 @@ class AblationArgs:
     groups: str = ""  # comma-separated group names (default: all)
     parallel: int = 1  # runs at once (on a GPU host, several tiny demo runs share a GPU)
     extra: str = ""  # more train_drafter.py flags for every run
+    baseline: str = BASELINE  # the flags every variant changes one of ("": the recipe's defaults)
     table_only: bool = False  # tabulate the finished runs, train nothing (the seeds column says how many)
 
 
@@ -63,12 +72,13 @@ def run_dir(out: Path, flags: list[str], seed: int) -> Path:
     return out / f"{name}-seed{seed}"
 
 
-def train_once(folder: Path, flags: list[str], seed: int, extra: str, gpu: int | None = None) -> None:
+def train_once(folder: Path, flags: list[str], seed: int, extra: str, gpu: int | None = None,
+               baseline: str = BASELINE) -> None:
     """Train one run (on the given GPU, if any) unless its eval.json exists."""
     if (folder / "eval.json").is_file():
         return
     cmd = [sys.executable, str(REPO_ROOT / "train_drafter.py"), "--output-dir", str(folder), "--overwrite",
-           "--report-to", "none", "--seed", str(seed), *BASELINE, *flags, *shlex.split(extra)]
+           "--report-to", "none", "--seed", str(seed), *shlex.split(baseline), *flags, *shlex.split(extra)]
     env = dict(os.environ) if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
     folder.mkdir(parents=True, exist_ok=True)
     with (folder.parent / f"{folder.name}.log").open("w") as log:
@@ -109,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
         gpus = torch.cuda.device_count()
 
         def run(index: int, folder: Path) -> None:  # runs take the visible GPUs in turn
-            train_once(folder, *jobs[folder], args.extra, index % gpus if gpus else None)
+            train_once(folder, *jobs[folder], args.extra, index % gpus if gpus else None, args.baseline)
 
         with ThreadPoolExecutor(max_workers=args.parallel) as pool:
             list(pool.map(run, range(len(jobs)), jobs))

@@ -1,6 +1,7 @@
 """The ablation sweep end to end on a tiny setup: a variant trains through train_drafter.py, a run
-that already has its eval.json is reused (the default, shared by every group), the table
-holds each variant's real tau, and --table-only tabulates what has finished without training."""
+that already has its eval.json is reused (the default, shared by every group), --baseline sets the
+flags every run starts from, the table holds each variant's real tau, and --table-only tabulates
+what has finished without training."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def test_a_small_sweep_trains_what_is_missing_and_tabulates_tau(tiny_setup, tmp_
     finished = tmp_path / "sweep" / "default-seed0"  # as an interrupted sweep left it
     finished.mkdir(parents=True)
     (finished / "eval.json").write_text(json.dumps({"trained": {"tau": 9.5}}))
-    results = ablations.main(["--out", str(tmp_path / "sweep"), "--seeds", "0", "--extra", " ".join(extra)])
+    results = ablations.main(["--out", str(tmp_path / "sweep"), "--seeds", "0", "--extra", " ".join(extra),
+                              "--baseline", "--loss dpace"])
     runs = sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir())
     assert runs == ["anchors-stride-seed0", "default-seed0"]
     assert (tmp_path / "sweep" / "anchors-stride-seed0" / "drafter" / "model.safetensors").is_file()
@@ -31,7 +33,7 @@ def test_a_small_sweep_trains_what_is_missing_and_tabulates_tau(tiny_setup, tmp_
     assert results["anchors"][0][1] == results["slot weights"][0][1] == [9.5], "reused, and shared by both groups"
     assert 1.0 <= results["anchors"][1][1][0] < 9.5  # trained for real: a 1-step drafter accepts little
     command = (tmp_path / "sweep" / "anchors-stride-seed0.log").read_text().splitlines()[0]
-    assert "--loss ce --anchors stride" in command, "the baseline's flags, then the variant's"
+    assert "--loss dpace --anchors stride" in command, "the baseline's flags, then the variant's"
     table = (tmp_path / "sweep" / "ablations.md").read_text()
     assert "| anchors | stride |" in table and "| slot weights | decay | 9.50 |" in table
     partial = ablations.main(["--out", str(tmp_path / "sweep"), "--seeds", "0,1", "--table-only"])
