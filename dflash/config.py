@@ -33,7 +33,7 @@ DEFAULT_BUCKETS = [0, 770, 1216, 1728, 2432, 3296, 8192]
 class ModelArgs:
     target: str | None = field(default=None, metadata={"help": "HF causal-LM folder, or a .gguf file (de-quantized once into <output-dir>/target-hf) (default: the shipped demo target)"})
     tokenizer: str | None = field(default=None, metadata={"help": "tokenizer folder with a chat template, or a .gguf file (default: --target)"})
-    num_draft_layers: int | None = field(default=None, metadata={"help": "drafter layers (recipe 5, demo 2)"})
+    num_draft_layers: int | None = field(default=None, metadata={"help": "drafter layers (recipe 5, demo 1)"})
     target_layer_ids: list[int] | None = field(default=None, metadata={"help": "target layers whose outputs feed the drafter"})
     num_target_features: int = field(default=5, metadata={"help": "K, when --target-layer-ids is not given"})
     block_size: int = field(default=16, metadata={"help": "B, tokens drafted per forward"})
@@ -106,7 +106,7 @@ class TrainArgs:
 
 
 RECIPE = {"num_draft_layers": 5, "epochs": 6, "max_anchors": 512, "max_length": 3072, "max_tokens": 8192}
-DEMO = {"num_draft_layers": 2, "epochs": 2, "max_anchors": 16, "max_length": 512, "max_tokens": 2048}
+DEMO = {"num_draft_layers": 1, "epochs": 2, "max_anchors": 16, "max_length": 512, "max_tokens": 2048}
 
 
 @dataclass
