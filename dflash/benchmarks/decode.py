@@ -56,7 +56,11 @@ def timed(decoder: Decoder, prompts: list[list[int]], max_new_tokens: int, eos: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    (args,) = cli_parser(DecodeBenchmarkArgs).parse_args_into_dataclasses(argv)
+    parser = cli_parser(DecodeBenchmarkArgs)
+    (args,) = parser.parse_args_into_dataclasses(argv)
+    if not 1 <= args.plain_prompts <= args.num_prompts:
+        parser.error(f"--plain-prompts {args.plain_prompts}: use 1..--num-prompts ({args.num_prompts}); the "
+                     "plain path's tokens and speed are what the fast path is compared with")
     setup_logging(0)
     device = pick_device(args.device, 0)
     tokenizer = load_tokenizer(args.tokenizer or args.target)

@@ -6,7 +6,8 @@ tokens writes them at cache columns start..start+T-1 and attends over the whole 
 mask (a column is visible when it is at or before the query's column, past the row's left
 padding and, on sliding layers, inside the window). Fixed shapes let a step be replayed as a
 CUDA graph. Nothing is ever cropped: a rejected draft's columns are masked for every later
-query and rewritten before they become visible again.
+query and rewritten before they become visible again. A step is bound by its kernel count, so
+q/k/v run as one matrix product and gate/up as another (`fused_rows`).
 
 Runs the decoder layers of Llama-layout families (pre-norm, separate q/k/v projections, optional
 per-head q/k norms, one RoPE): Llama (SmolLM2), Mistral, Qwen2, Qwen3. Other families decode
@@ -31,6 +32,31 @@ def fast_decoding_supported(target: FrozenTarget) -> bool:
 # Attention reads the cache only up to the used columns, rounded up to this step: a step over
 # the whole capacity reads every row's full buffer (regeneration: 3x slower at 2.9K columns).
 SPAN_STEP = 256
+
+
+def fused_rows(module: torch.nn.Module, name: str, linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) stacking the rows of `linears`, kept on `module` as `name`: a decode
+    step then runs one matrix product where it ran len(linears) (the step is bound by its kernel
+    count). The linears' weights become views of the stacked rows, so no second copy is held and
+    HF's own forward reads the same numbers. Reused while those views still point into it."""
+    fused = module.__dict__.get(name)
+    if fused is not None and fused[0].data_ptr() == linears[0].weight.data_ptr():
+        return fused
+    biases = [linear.bias for linear in linears]
+    if any(b is None for b in biases) and not all(b is None for b in biases):
+        raise TargetError(f"{type(module).__name__}: some of its projections have a bias and some do not")
+    with torch.no_grad():
+        weight = torch.cat([linear.weight for linear in linears])
+        bias = None if biases[0] is None else torch.cat(biases)
+        start = 0
+        for linear in linears:
+            rows = linear.weight.shape[0]
+            linear.weight.data = weight[start:start + rows]
+            if bias is not None:
+                linear.bias.data = bias[start:start + rows]
+            start += rows
+    module.__dict__[name] = (weight, bias)  # a plain attribute: not a parameter, not in state_dict
+    return weight, bias
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -77,6 +103,10 @@ class StaticTarget:
         self._offsets = torch.arange(self.capacity, device=device)
         self._inputs: dict[int, torch.Tensor] = {}
         self.graphs = GraphReplays(device, cuda_graphs)
+        self.qkv = [fused_rows(layer.self_attn, "dflash_qkv", [layer.self_attn.q_proj, layer.self_attn.k_proj,
+                                                               layer.self_attn.v_proj]) for layer in target.layers]
+        self.gate_up = [fused_rows(layer.mlp, "dflash_gate_up", [layer.mlp.gate_proj, layer.mlp.up_proj])
+                        for layer in target.layers]
 
     def set_padding(self, padding: list[int]) -> None:
         """Left padding of each row (batched generation); rows see nothing before it."""
@@ -138,7 +168,8 @@ class StaticTarget:
             h = self._attention(index, layer.self_attn, rms_norm(layer.input_layernorm, x), cos, sin, columns,
                                 span, masks[index])
             x = x + h
-            x = x + layer.mlp(rms_norm(layer.post_attention_layernorm, x))
+            gate, up = F.linear(rms_norm(layer.post_attention_layernorm, x), *self.gate_up[index]).chunk(2, dim=-1)
+            x = x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
             if index in self.feature_layers:
                 captured[index] = x
         if last_only:  # a prefill's logits for every position would be [b, P, vocab]
@@ -149,18 +180,20 @@ class StaticTarget:
     def _attention(self, index, attention, x, cos, sin, columns, span, mask):
         b, t, _ = x.shape
         d = attention.head_dim
-        q = attention.q_proj(x).view(b, t, -1, d)
-        k = attention.k_proj(x).view(b, t, -1, d)
+        hkv = self.keys.shape[2]
+        qkv = F.linear(x, *self.qkv[index]).view(b, t, -1, d)  # [b, T, Hq + 2 Hkv, d]
+        heads = qkv.shape[2] - 2 * hkv
         if hasattr(attention, "q_norm"):  # Qwen3: RMSNorm per head before RoPE
-            q, k = rms_norm(attention.q_norm, q), rms_norm(attention.k_norm, k)
-        heads = q.shape[2]
-        qk = rotate(torch.cat([q, k], dim=2).transpose(1, 2), cos, sin)  # [b, Hq + Hkv, T, d]
+            qk = torch.cat([rms_norm(attention.q_norm, qkv[:, :, :heads]),
+                            rms_norm(attention.k_norm, qkv[:, :, heads:heads + hkv])], dim=2)
+        else:
+            qk = qkv[:, :, :heads + hkv]
+        qk = rotate(qk.transpose(1, 2), cos, sin)  # [b, Hq + Hkv, T, d]
         q, k = qk[:, :heads], qk[:, heads:]
         self.keys[index].index_copy_(2, columns, k)
-        self.values[index].index_copy_(2, columns, attention.v_proj(x).view(b, t, -1, d).transpose(1, 2))
+        self.values[index].index_copy_(2, columns, qkv[:, :, heads + hkv:].transpose(1, 2))
         keys, values = self.keys[index][:, :, :span], self.values[index][:, :, :span]
         # GQA without copying the cache: the query heads sharing a key/value head become rows of it
-        hkv = keys.shape[1]
         rows = q.reshape(b, hkv, heads // hkv * t, d)  # query head h = g * rep + r serves head g
         out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, scale=attention.scaling)
         return attention.o_proj(out.reshape(b, heads, t, d).transpose(1, 2).reshape(b, t, -1))

@@ -254,3 +254,12 @@ def test_a_mask_token_the_target_emits_or_reads_is_refused():
         with pytest.raises(TargetError, match=re.escape(f"--mask-token-id {token_id} is the {meaning} token "
                                                         f"'{token}'") + ".*pick an id the target never emits"):
             resolve_mask_token_id(tokenizer, config, token_id)
+
+
+def test_the_decode_benchmark_needs_a_plain_prompt_to_compare_with(capsys, paths):
+    from dflash.benchmarks import decode
+
+    with pytest.raises(SystemExit) as exit_info:
+        decode.main(["--target", paths["target"], "--prompts", paths["data"], "--plain-prompts", "0"])
+    assert exit_info.value.code == 2
+    assert "--plain-prompts 0: use 1..--num-prompts (16)" in capsys.readouterr().err

@@ -1,0 +1,39 @@
+"""The static-cache decoder runs one matrix product for q/k/v and one for gate/up: the target's
+own projections become views of those stacked rows, so no second copy of the weights is held and
+HF's forward still computes the same numbers."""
+
+from __future__ import annotations
+
+import torch
+
+from conftest import tiny_target
+from dflash.target.static import StaticTarget
+
+IDS = torch.tensor([[5, 17, 3, 44, 9, 60, 2, 71]])
+
+
+def test_stacked_projections_are_views_and_hf_forward_is_unchanged(arch):
+    target = tiny_target(arch)
+    before = target.model(IDS).logits
+    static = StaticTarget(target, batch=1, capacity=32, cuda_graphs=False)
+    attention, mlp = target.layers[2].self_attn, target.layers[2].mlp
+    (qkv, _), (gate_up, _) = static.qkv[2], static.gate_up[2]
+    assert qkv.shape[0] == sum(p.weight.shape[0] for p in (attention.q_proj, attention.k_proj, attention.v_proj))
+    assert attention.q_proj.weight.data_ptr() == qkv.data_ptr(), "a view of the stacked rows, not a copy"
+    assert attention.v_proj.weight.data_ptr() == qkv[-attention.v_proj.weight.shape[0]:].data_ptr()
+    assert mlp.up_proj.weight.data_ptr() == gate_up[mlp.gate_proj.weight.shape[0]:].data_ptr()
+    torch.testing.assert_close(target.model(IDS).logits, before, rtol=0, atol=0)
+    again = StaticTarget(target, batch=2, capacity=16, cuda_graphs=False)
+    assert again.qkv[2][0] is qkv and again.gate_up[2][0] is gate_up, "stacked once per model"
+
+
+def test_stacking_follows_the_weights_when_the_model_moves(arch):
+    """A model moved (or re-cast) after a first decoder gets its weights stacked again: the old
+    stack would hold stale numbers."""
+    target = tiny_target(arch)
+    first = StaticTarget(target, batch=1, capacity=32, cuda_graphs=False)
+    target.model.to(torch.float32)
+    second = StaticTarget(target, batch=1, capacity=32, cuda_graphs=False)
+    assert second.qkv[0][0] is not first.qkv[0][0] and second.qkv[0][0].dtype == torch.float32
+    assert target.layers[0].self_attn.k_proj.weight.data_ptr() == \
+        second.qkv[0][0][target.layers[0].self_attn.q_proj.weight.shape[0]:].data_ptr()
