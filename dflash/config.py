@@ -194,7 +194,7 @@ def fill_defaults(config: RunConfig) -> None:
         raise ConfigError("--train-data is required with --target: pass a chat JSONL file")
 
 
-RUN_FILES = ("metrics.jsonl", "checkpoints", "drafter", "drafter-init", "eval.json")
+RUN_FILES = ("metrics.jsonl", "target_metrics", "checkpoints", "drafter", "drafter-init", "eval.json")
 
 
 def earlier_run_files(output_dir: Path) -> list[str]:

@@ -145,6 +145,40 @@ class MetricsLogger:
             self.wandb_run.finish()
 
 
+class TargetLog:
+    """A target rank's own progress in split placement: <output-dir>/target_metrics/rank<R>.jsonl
+    after every request, and a log line at every --log-every'th step, with the time split since
+    serving started (forward: the target's compute, GPU-timed on CUDA; serving: the host's time
+    handling requests, which on a CPU includes the forward; idle: nothing to serve) and the
+    requests queued behind the one just served. A resumed run's steps replace the earlier run's lines."""
+
+    def __init__(self, output_dir: Path, rank: int, log_every: int):
+        self.rank, self.log_every = rank, log_every
+        self.path = output_dir / "target_metrics" / f"rank{rank}.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._started = False
+        self._last_logged = -1
+        # only rank 0 speaks at INFO (setup_logging), and a target rank never is rank 0: its progress
+        # line goes through a logger of its own that does
+        self._logger = logging.getLogger("dflash.target_progress")
+        self._logger.setLevel(logging.INFO)
+
+    def __call__(self, record: dict) -> None:
+        step = record["step"]
+        if not self._started and self.path.is_file():  # this run's first request: it redoes later steps
+            lines = self.path.read_text().splitlines(keepends=True)
+            write_text_durably(self.path, "".join(line for line in lines if _logged_step(line) < step))
+        self._started = True
+        with self.path.open("a") as f:
+            f.write(json.dumps({"rank": self.rank, **record}) + "\n")
+        if step % self.log_every == 0 and step > self._last_logged:  # once per step, whichever drafter asked
+            self._last_logged = step
+            self._logger.info("target rank %d at step %d: %d requests | forward %.0f%% | serving %.0f%% | idle %.0f%% | "
+                        "queued %d | %.1f MB sent", self.rank, step, record["requests"],
+                        100 * record["forward_fraction"], 100 * record["serving_fraction"],
+                        100 * record["idle_fraction"], record["queued"], record["mb_sent"])
+
+
 def _logged_step(line: str) -> float:
     """The step of a metrics.jsonl line; infinity for a torn line."""
     try:

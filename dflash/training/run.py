@@ -36,6 +36,7 @@ from dflash.target.frozen import (FrozenTarget, check_target_layer_ids, default_
 from dflash.target.gguf import gguf_file, resolve_target, run_target_dir
 from dflash.training.checkpoint import latest_checkpoint
 from dflash.training.drafter_setup import DrafterRun, RankContext, build_drafter_run, train_dtype
+from dflash.training.metrics import TargetLog
 from dflash.training.run_report import RunReport
 from dflash.training.schedules import feature_noise_std
 from dflash.training.shard import prepare_train_shard, train_shard_dir
@@ -155,6 +156,7 @@ def train(config: RunConfig, ranks: RankInfo) -> TrainResult:
         server = TargetServer(
             ranks.rank, topology.drafter_ranks, spec,
             lambda indices: compute_features(target, dataset, indices, pad_id, with_final), pairs,
+            on_served=TargetLog(out_dir, ranks.rank, config.train.log_every),
         )
         server.serve()  # until every drafter rank says stop; rank 0's routing report has the counts
         return TrainResult("target", 0, 0.0, out_dir / "drafter", out_dir / "drafter-init", {})

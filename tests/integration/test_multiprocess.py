@@ -36,6 +36,14 @@ def test_split_one_plus_one_matches_colocated(tiny_setup, tmp_path, single_proce
     assert "split: target on ranks [1], drafter on ranks [0]" in proc.stderr
     # Same data, anchors, initial weights and fp32 math whichever rank ran the target.
     assert losses(tmp_path) == pytest.approx(single_process_losses, rel=1e-5)
+    # The target rank's own time split: a line per request served (requests run ahead of the
+    # drafter's steps, so there may be more than the steps trained), a log line per --log-every.
+    served = [json.loads(line) for line in (tmp_path / "target_metrics" / "rank1.jsonl").read_text().splitlines()]
+    assert [r["requests"] for r in served] == list(range(1, len(served) + 1)) and len(served) >= STEPS
+    assert all(r["rank"] == 1 and 0 <= r["forward_fraction"] <= r["serving_fraction"] <= 1 and 0 <= r["idle_fraction"] <= 1
+               and r["forward_fraction"] > 0 for r in served)
+    assert [r["wall_s"] for r in served] == sorted(r["wall_s"] for r in served)
+    assert f"target rank 1 at step {served[-1]['step']}: {len(served)} requests | forward" in proc.stderr
 
 
 @pytest.mark.parametrize("nproc, placement, expect", [

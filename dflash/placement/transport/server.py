@@ -29,9 +29,18 @@ logger = logging.getLogger(__name__)
 @dataclass
 class ServeStats:
     requests: dict[int, int]  # served per drafter rank
-    busy_s: float = 0.0  # receiving ids, computing, posting responses
+    busy_s: float = 0.0  # receiving ids, computing (on CUDA: queuing the compute), posting responses
     idle_s: float = 0.0  # waiting with nothing to serve
+    forward_s: float = 0.0  # the target's forward over the finished requests (GPU time on CUDA)
     bytes_sent: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+    def record(self, step: int, queued: int) -> dict:
+        """The time split so far, as fractions of the wall time since serving started."""
+        wall = max(time.monotonic() - self.started, 1e-9)
+        return {"step": step, "requests": sum(self.requests.values()), "wall_s": round(wall, 3),
+                "forward_fraction": round(self.forward_s / wall, 4), "serving_fraction": round(self.busy_s / wall, 4),
+                "idle_fraction": round(self.idle_s / wall, 4), "queued": queued, "mb_sent": round(self.bytes_sent / 1e6, 3)}
 
 
 class _ServiceClock:
@@ -42,6 +51,7 @@ class _ServiceClock:
         self._cuda = device.type == "cuda"
         self._open: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
         self._last_s = 0.0
+        self._total_s = 0.0
 
     @contextlib.contextmanager
     def measure(self) -> Iterator[None]:
@@ -49,6 +59,7 @@ class _ServiceClock:
             started = time.perf_counter()
             yield
             self._last_s = time.perf_counter() - started
+            self._total_s += self._last_s
             return
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -57,10 +68,19 @@ class _ServiceClock:
         self._open.append((start, end))
 
     def last_us(self) -> int:
+        self._collect()
+        return round(self._last_s * 1e6)
+
+    def total_s(self) -> float:
+        """The compute time of every request finished so far."""
+        self._collect()
+        return self._total_s
+
+    def _collect(self) -> None:
         while self._open and self._open[0][1].query():
             start, end = self._open.popleft()
             self._last_s = start.elapsed_time(end) / 1e3
-        return round(self._last_s * 1e6)
+            self._total_s += self._last_s
 
 
 @dataclass
@@ -88,8 +108,12 @@ class TargetServer:
     """Serves drafter requests: compute(sample_ids) -> FeatureBatch, S the longest of those samples."""
 
     def __init__(self, rank: int, drafter_ranks: list[int], spec: TransportSpec,
-                 compute: Callable[[list[int]], FeatureBatch], groups: PairGroups) -> None:
+                 compute: Callable[[list[int]], FeatureBatch], groups: PairGroups,
+                 on_served: Callable[[dict], None] | None = None) -> None:
+        """`on_served` gets ServeStats.record() after each request (the step it was for, the time
+        split so far): the run logs a target's own progress with it."""
         self.rank, self.spec, self.compute, self.drafters = rank, spec, compute, sorted(drafter_ranks)
+        self.on_served = on_served
         self._links = open_links(rank, "target", self.drafters, groups, spec.device)
         self._clock = _ServiceClock(spec.device)
         try:
@@ -113,9 +137,13 @@ class TargetServer:
                 self._reap(state, stats, wait=False)
                 now = time.monotonic()
                 if state.arrivals:
-                    self._serve_one(state.arrivals.popleft(), state, stats)
+                    arrival = state.arrivals.popleft()
+                    self._serve_one(arrival, state, stats)
                     last_seen = time.monotonic()
                     stats.busy_s += last_seen - now
+                    if self.on_served is not None:
+                        stats.forward_s = self._clock.total_s()
+                        self.on_served(stats.record(arrival.step, len(state.arrivals)))
                 elif now - last_seen > self.spec.timeout_s:
                     raise TransportError(
                         f"rank {self.rank} (target): no request or STOP from drafter ranks "
@@ -126,12 +154,13 @@ class TargetServer:
                     time.sleep(POLL_S)
                     stats.idle_s += time.monotonic() - now
             self._reap(state, stats, wait=True)
+            stats.forward_s = self._clock.total_s()
             clean = True
         finally:
             watchdog.disarm()
             close_links(self._links, clean)
-        logger.info("target rank %d served %s requests, busy %.1f s, idle %.1f s, %.1f MB sent",
-                    self.rank, stats.requests, stats.busy_s, stats.idle_s, stats.bytes_sent / 1e6)
+        logger.info("target rank %d served %s requests, forward %.1f s, serving %.1f s, idle %.1f s, %.1f MB sent",
+                    self.rank, stats.requests, stats.forward_s, stats.busy_s, stats.idle_s, stats.bytes_sent / 1e6)
         return stats
 
     def _handshake(self) -> None:
