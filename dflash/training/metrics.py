@@ -86,6 +86,10 @@ class WindowMetrics:
             extra.update(grad_norm=sum(norms) / len(norms), grad_norm_max=max(norms))
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             extra["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            # Times the caching allocator freed its cache to retry an allocation (so far): each
+            # is a device-wide synchronisation, which in split placement also waits for the NCCL
+            # receives posted ahead, i.e. for the target's forward of a later step.
+            extra["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
         return {
             "loss": loss / n,
             "ce": ce / n,
