@@ -44,7 +44,8 @@ def fused_rows(module: torch.nn.Module, name: str, linears: list[torch.nn.Linear
         return fused
     biases = [linear.bias for linear in linears]
     if any(b is None for b in biases) and not all(b is None for b in biases):
-        raise TargetError(f"{type(module).__name__}: some of its projections have a bias and some do not")
+        raise TargetError(f"{type(module).__name__}: some of its projections have a bias and some do not, which "
+                          "fast decoding cannot stack; use --decoder plain")
     with torch.no_grad():
         weight = torch.cat([linear.weight for linear in linears])
         bias = None if biases[0] is None else torch.cat(biases)

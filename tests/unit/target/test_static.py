@@ -4,9 +4,11 @@ HF's forward still computes the same numbers."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conftest import tiny_target
+from dflash.target.frozen import TargetError
 from dflash.target.static import StaticTarget
 
 IDS = torch.tensor([[5, 17, 3, 44, 9, 60, 2, 71]])
@@ -37,3 +39,11 @@ def test_stacking_follows_the_weights_when_the_model_moves(arch):
     assert second.qkv[0][0] is not first.qkv[0][0] and second.qkv[0][0].dtype == torch.float32
     assert target.layers[0].self_attn.k_proj.weight.data_ptr() == \
         second.qkv[0][0][target.layers[0].self_attn.q_proj.weight.shape[0]:].data_ptr()
+
+
+def test_projections_with_and_without_bias_are_refused_with_the_way_out():
+    target = tiny_target("llama")
+    q_proj = target.layers[0].self_attn.q_proj
+    q_proj.bias = torch.nn.Parameter(torch.zeros(q_proj.out_features, dtype=q_proj.weight.dtype))
+    with pytest.raises(TargetError, match="some of its projections have a bias and some do not.*--decoder plain"):
+        StaticTarget(target, batch=1, capacity=32, cuda_graphs=False)
