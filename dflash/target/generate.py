@@ -12,19 +12,29 @@ from dflash.target.frozen import FrozenTarget
 from dflash.target.static import StaticTarget
 
 STOP_CHECK_EVERY = 16  # steps between the host syncs that ask whether every row has stopped
+# A batch's cache is its longest prompt + max_new_tokens rounded up to this: short prompts get
+# many more rows than the longest one would allow (ShareGPT turns: median 446 tokens, longest
+# 2.5K), while a new cache and its graph captures are made only when the rounded size changes.
+CAPACITY_STEP = 512
 
 
 def greedy_batches(target: FrozenTarget, prompts: dict[int, list[int]], max_new_tokens: int, stop_ids: set[int],
                    batch_tokens: int) -> Iterator[tuple[list[int], list[list[int]]]]:
     """Yields (indices, each row's new tokens up to its first stop, excluded), longest
-    prompts first. One cache serves every batch: rows x (longest prompt + max_new_tokens)
-    within batch_tokens, so an out-of-memory shows at the first batch."""
-    capacity = max(map(len, prompts.values())) + max_new_tokens
-    rows = max(1, min(len(prompts), batch_tokens // capacity))
-    static = StaticTarget(target, rows, capacity)
+    prompts first. A batch holds rows x (its longest prompt + max_new_tokens, rounded up to
+    CAPACITY_STEP) within batch_tokens; the longest prompts come first, so an out-of-memory
+    shows at the first batch."""
     order = sorted(prompts, key=lambda i: (-len(prompts[i]), i))
-    for first in range(0, len(order), rows):
+    static = None
+    first = 0
+    while first < len(order):
+        capacity = -(-(len(prompts[order[first]]) + max_new_tokens) // CAPACITY_STEP) * CAPACITY_STEP
+        rows = max(1, min(len(order) - first, batch_tokens // capacity))
+        if static is None or (static.batch, static.capacity) != (rows, capacity):
+            static = None  # the old cache and graphs go before the new ones are allocated
+            static = StaticTarget(target, rows, capacity)
         batch = order[first: first + rows]
+        first += rows
         yield batch, generate(static, [prompts[i] for i in batch], max_new_tokens, stop_ids)
 
 

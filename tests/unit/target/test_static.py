@@ -47,3 +47,28 @@ def test_projections_with_and_without_bias_are_refused_with_the_way_out():
     q_proj.bias = torch.nn.Parameter(torch.zeros(q_proj.out_features, dtype=q_proj.weight.dtype))
     with pytest.raises(TargetError, match="some of its projections have a bias and some do not.*--decoder plain"):
         StaticTarget(target, batch=1, capacity=32, cuda_graphs=False)
+
+
+def test_batched_generation_sizes_each_cache_to_its_prompts_and_keeps_greedy_tokens(monkeypatch):
+    """Short prompts get more rows per batch than the longest one would allow; every reply
+    stays the target's greedy reply."""
+    import dflash.target.generate as generate
+    from dflash.eval.speculative import greedy_decode
+
+    monkeypatch.setattr(generate, "CAPACITY_STEP", 16)
+    target = tiny_target("llama", dtype=torch.float32)
+    prompts = {0: list(range(3, 40)), 1: list(range(5, 41)), 2: [7, 8, 9], 3: [11, 2], 4: [4, 4, 4, 4], 5: [9]}
+    sizes = []
+    built = generate.StaticTarget
+
+    def recording(*args, **kwargs):
+        static = built(*args, **kwargs)
+        sizes.append((static.batch, static.capacity))
+        return static
+
+    monkeypatch.setattr(generate, "StaticTarget", recording)
+    replies = {}
+    for indices, rows in generate.greedy_batches(target, prompts, 8, set(), batch_tokens=100):
+        replies.update(zip(indices, rows))
+    assert sizes == [(2, 48), (4, 16)]  # 100 // (40 + 8 -> 48) rows, then 100 // (4 + 8 -> 16), capped by what is left
+    assert replies == {i: greedy_decode(target, p, 8, set()).tokens for i, p in prompts.items()}
