@@ -211,9 +211,13 @@ def row_losses(h: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor, 
                teacher=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per scored row: CE (float32, differentiable in h), KL to the teacher (zeros without one),
     argmax == label. `teacher` = (teacher_hidden [b, S, D], row index, batch index) per row."""
-    if fused and teacher is None:
-        ce, correct = linear_cross_entropy(h, lm_head.weight, labels, chunk_size)
-        return ce, torch.zeros_like(ce), correct
+    if fused:
+        teacher_rows = None
+        if teacher is not None:
+            teacher_hidden, rows, batch = teacher
+            teacher_rows = teacher_hidden[batch, rows]
+        ce, kl, correct = linear_cross_entropy(h, lm_head.weight, labels, chunk_size, teacher_rows)
+        return ce, kl, correct
     ce_parts, kl_parts, correct_parts = [], [], []
     for start in range(0, h.shape[0], chunk_size):
         part = slice(start, start + chunk_size)
@@ -249,52 +253,82 @@ def _cross_entropy_chunk(logits: torch.Tensor, labels: torch.Tensor, want_grad: 
     return lse - target, correct, grad.to(logits.dtype)
 
 
-_compiled_chunk = None
+def _distillation_chunk(logits: torch.Tensor, teacher_logits: torch.Tensor, want_grad: bool):
+    """One chunk's KL(target || drafter) per row, and dKL/d logits = softmax(logits) - the
+    target's probabilities (in the logits' dtype, or None)."""
+    log_q = torch.log_softmax(logits.float(), dim=-1)
+    log_p = torch.log_softmax(teacher_logits.float(), dim=-1)
+    p = log_p.exp()
+    kl = (p * (log_p - log_q)).sum(dim=-1)
+    return kl, (log_q.exp() - p).to(logits.dtype) if want_grad else None
 
 
-def cross_entropy_chunk(logits, labels, want_grad):
-    """`_cross_entropy_chunk`, compiled once per process on CUDA (dynamic: chunks vary in rows)."""
-    global _compiled_chunk
-    if logits.device.type != "cuda":
-        return _cross_entropy_chunk(logits, labels, want_grad)
-    if _compiled_chunk is None:
-        _compiled_chunk = torch.compile(_cross_entropy_chunk, dynamic=True)
-    return _compiled_chunk(logits, labels, want_grad)
+_compiled: dict = {}
+
+
+def compiled(fn):
+    """`fn` compiled once per process (dynamic: chunks vary in rows), for CUDA tensors; on the
+    CPU the plain function runs."""
+    def run(*args):
+        if args[0].device.type != "cuda":
+            return fn(*args)
+        if fn not in _compiled:
+            _compiled[fn] = torch.compile(fn, dynamic=True)
+        return _compiled[fn](*args)
+    return run
+
+
+cross_entropy_chunk = compiled(_cross_entropy_chunk)
+distillation_chunk = compiled(_distillation_chunk)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """CE(h_i @ W^T, y_i) per row, with each row's gradient for h computed chunk by chunk in the
-    forward pass: only [N, D] is kept for backward, never [N, V] logits (for a 152K vocab that
-    is 1.2 MB per scored position in float32, several GB per sequence). Rows are independent, so
-    any weighting of the rows afterwards (slot weights, D-PACE, a global normaliser) only scales
-    each row's kept gradient."""
+    """CE(h_i @ W^T, y_i) per row, and optionally KL(target_i || softmax(h_i @ W^T)) with the
+    target's distribution softmax(t_i @ W^T), with each row's gradients for h computed chunk by
+    chunk in the forward pass: only [N, D] is kept for backward, never [N, V] logits (for a
+    152K vocab that is 1.2 MB per scored position in float32, several GB per sequence). Rows are
+    independent, so any weighting of the rows afterwards (slot weights, D-PACE, a global
+    normaliser) only scales each row's kept gradients."""
 
     @staticmethod
-    def forward(ctx, h, weight, labels, chunk_size):
+    def forward(ctx, h, weight, labels, chunk_size, teacher_rows):
         want_grad = ctx.needs_input_grad[0]
-        grad_h = torch.empty_like(h) if want_grad else None
+        distill = teacher_rows is not None
+        grad_ce = torch.empty_like(h) if want_grad else None
+        grad_kl = torch.empty_like(h) if want_grad and distill else None
         ce = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+        kl = torch.zeros(h.shape[0], dtype=torch.float32, device=h.device)
         correct = torch.empty(h.shape[0], dtype=torch.bool, device=h.device)
         for start in range(0, h.shape[0], chunk_size):
             part = slice(start, start + chunk_size)
-            ce[part], correct[part], grad_logits = cross_entropy_chunk(h[part] @ weight.t(), labels[part], want_grad)
+            logits = h[part] @ weight.t()
+            ce[part], correct[part], grad_logits = cross_entropy_chunk(logits, labels[part], want_grad)
             if want_grad:
-                grad_h[part] = grad_logits @ weight
-        ctx.save_for_backward(grad_h)
+                grad_ce[part] = grad_logits @ weight
+            if distill:
+                kl[part], grad_logits = distillation_chunk(logits, teacher_rows[part] @ weight.t(), want_grad)
+                if want_grad:
+                    grad_kl[part] = grad_logits @ weight
+        ctx.save_for_backward(grad_ce, grad_kl)
         ctx.mark_non_differentiable(correct)
-        return ce, correct
+        return ce, kl, correct
 
     @staticmethod
-    def backward(ctx, grad_ce, _grad_correct):
-        (grad_h,) = ctx.saved_tensors
-        return grad_h * grad_ce.to(grad_h.dtype)[:, None], None, None, None
+    def backward(ctx, grad_ce_rows, grad_kl_rows, _grad_correct):
+        grad_ce, grad_kl = ctx.saved_tensors
+        grad_h = grad_ce * grad_ce_rows.to(grad_ce.dtype)[:, None]
+        if grad_kl is not None:
+            grad_h = grad_h + grad_kl * grad_kl_rows.to(grad_kl.dtype)[:, None]
+        return grad_h, None, None, None, None
 
 
-def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         chunk_size: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
-    """(CE of h @ weight^T against labels per row as float32, argmax == label per row); the
-    weight is frozen (no gradient for it)."""
-    return _LinearCrossEntropy.apply(h, weight.detach(), labels, chunk_size)
+def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 4096,
+                         teacher_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(CE of h @ weight^T against labels per row as float32, KL(softmax(teacher_rows @ weight^T)
+    || softmax(h @ weight^T)) per row (zeros without teacher rows), argmax == label per row);
+    the weight is frozen (no gradient for it)."""
+    teacher_rows = None if teacher_rows is None else teacher_rows.detach()
+    return _LinearCrossEntropy.apply(h, weight.detach(), labels, chunk_size, teacher_rows)
 
 
 def block_streaks(correct: torch.Tensor, mask: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -42,7 +42,7 @@ def test_flex_matches_dense_sdpa(dtype, tol, window):
         torch.testing.assert_close(a, b_, rtol=tol, atol=tol * 10)
 
 
-def drafter_step_for(kernels: str, dtype: torch.dtype):
+def drafter_step_for(kernels: str, dtype: torch.dtype, kl_weight: float = 0.0):
     """A small drafter (same seed, same weights) wired with the fast or the naive kernels, as
     train.step_settings and the layer compile set them up."""
     from transformers import Qwen3Config
@@ -65,15 +65,17 @@ def drafter_step_for(kernels: str, dtype: torch.dtype):
             layer.compile(dynamic=True)
     settings = StepSettings(max_anchors=48, slot_weights=slot_weights(16, 7.0),
                             attention_backend="flex" if fast else "sdpa", fused_loss=fast,
-                            lm_head_chunk=100 if fast else 1 << 62)
+                            lm_head_chunk=100 if fast else 1 << 62, kl_weight=kl_weight)
     return DrafterStep(drafter, embed, head, settings)
 
 
+@pytest.mark.parametrize("kl_weight", [0.0, 1.0])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
-def test_fast_training_step_matches_the_naive_one(dtype, tol):
-    """Flex attention + fused lm_head loss + compiled layers give the loss and every parameter
-    gradient of dense-mask SDPA + full logits + eager layers, on a realistic block layout
-    (sampled anchors, padding blocks, two rows of different response spans)."""
+def test_fast_training_step_matches_the_naive_one(dtype, tol, kl_weight):
+    """Flex attention + fused lm_head loss (+ KL to the target's distribution) + compiled layers
+    give the loss and every parameter gradient of dense-mask SDPA + full logits + eager layers,
+    on a realistic block layout (sampled anchors, padding blocks, two rows of different
+    response spans)."""
 
     b, s = 2, 400
     generator = torch.Generator().manual_seed(0)
@@ -82,11 +84,12 @@ def test_fast_training_step_matches_the_naive_one(dtype, tol):
     loss_mask[0, 50:] = True
     loss_mask[1, 300:330] = True  # fewer candidates than anchors: padding blocks in row 1
     features = torch.randn(b, s, 3 * 256, generator=generator).cuda().to(dtype)
+    final_hidden = torch.randn(b, s, 256, generator=generator).cuda().to(dtype)
     results = []
     for kernels in ("fast", "naive"):
-        step = drafter_step_for(kernels, dtype)
+        step = drafter_step_for(kernels, dtype, kl_weight)
         blocks = step.sample_blocks(ids, loss_mask, torch.Generator().manual_seed(1))
-        out = step.loss(blocks, features)
+        out = step.loss(blocks, features, final_hidden)
         out.loss.backward()
         grads = {name: p.grad.float() for name, p in step.drafter.named_parameters()}
         results.append((out.loss.detach().float(), grads, out.slot_correct))

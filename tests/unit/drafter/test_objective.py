@@ -94,18 +94,22 @@ def random_blocks(b: int, s: int, bs: int, v: int, prompt: int, anchors: int) ->
     return build_blocks(ids, loss_mask, sample_anchors(loss_mask, anchors, bs, torch.Generator().manual_seed(0)), v - 1)
 
 
+@pytest.mark.parametrize("distill", [False, True])
 @pytest.mark.parametrize("chunk", [3, 4096])
-def test_fused_loss_matches_autograd_loss_and_gradients(chunk):
-    """The fused lm_head + CE (gradient taken in the forward pass) against plain autograd."""
+def test_fused_loss_matches_autograd_loss_and_gradients(chunk, distill):
+    """The fused lm_head + CE (+ KL to the target's distribution; gradients taken in the forward
+    pass) against plain autograd."""
     b, s, bs, d, v = 2, 40, 4, 16, 37
     blocks = random_blocks(b, s, bs, v, prompt=5, anchors=6)
     head = torch.nn.Linear(d, v, bias=False).requires_grad_(False)
     w = slot_weights(bs, 2.0)
+    teacher = torch.randn(b, s, d, generator=torch.Generator().manual_seed(2)) if distill else None
     results = []
     for fused in (True, False):
         hidden = torch.randn(b, blocks.input_ids.shape[1], d, generator=torch.Generator().manual_seed(1))
         hidden.requires_grad_(True)
-        out = dflash_loss(hidden, blocks, head, w, chunk_size=chunk, fused=fused)
+        out = dflash_loss(hidden, blocks, head, w, chunk_size=chunk, fused=fused, teacher_hidden=teacher,
+                          kl_weight=0.7 if distill else 0.0)
         (out.loss * 3.0).backward()  # a non-unit upstream gradient must scale the fused one
         results.append((out, hidden.grad))
     (fused_out, fused_grad), (plain_out, plain_grad) = results
@@ -114,6 +118,26 @@ def test_fused_loss_matches_autograd_loss_and_gradients(chunk):
     assert float(fused_grad.abs().sum()) > 0
     assert torch.equal(fused_out.slot_correct, plain_out.slot_correct)
     assert torch.equal(fused_out.block_streaks, plain_out.block_streaks)
+    assert torch.allclose(fused_out.kl, plain_out.kl, rtol=1e-5, atol=1e-7)
+    assert (float(fused_out.kl) > 0.01) == distill
+
+
+@pytest.mark.parametrize("distill", [False, True])
+def test_fused_loss_keeps_no_vocabulary_sized_tensor_for_backward(distill):
+    """What autograd saves is [rows, D] at most: [rows, V] logits (V = 152K for Qwen3) would not
+    fit at --max-tokens 32768, with distillation as without."""
+    b, s, bs, d, v = 2, 40, 4, 16, 997
+    blocks = random_blocks(b, s, bs, v, prompt=5, anchors=6)
+    head = torch.nn.Linear(d, v, bias=False).requires_grad_(False)
+    teacher = torch.randn(b, s, d) if distill else None
+    hidden = torch.randn(b, blocks.input_ids.shape[1], d, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        out = dflash_loss(hidden, blocks, head, slot_weights(bs, 2.0), teacher_hidden=teacher,
+                          kl_weight=1.0 if distill else 0.0)
+    out.loss.backward()
+    assert saved and all(v not in shape for shape in saved)
+    assert float(hidden.grad.abs().sum()) > 0
 
 
 def test_export_round_trip(tmp_path):
