@@ -24,7 +24,7 @@ from dflash.placement.topology import TopologyError
 from dflash.target.frozen import TargetError
 from dflash.training.checkpoint import CheckpointError, latest_checkpoint
 from dflash.training.spike import SkippedStepsError
-from dflash.util.cli import ConfigError
+from dflash.util.cli import ConfigError, user_error
 from dflash.util.files import StorageError
 
 logger = logging.getLogger("train_drafter")
@@ -74,8 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = parse_config(argv)
     except USER_ERRORS as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return user_error(err)
     from dflash.placement.distributed import abandon, exit_now, init_distributed, shutdown
     from dflash.training.run import train
 

@@ -24,7 +24,7 @@ from dflash.data.tokenization import load_tokenizer
 from dflash.target.frozen import TargetError
 from dflash.target.gguf import resolve_target, run_target_dir
 from dflash.training.shard import prepare_train_shard
-from dflash.util.cli import ConfigError
+from dflash.util.cli import ConfigError, user_error
 from dflash.util.runtime import setup_logging
 
 
@@ -74,9 +74,8 @@ def main(argv: list[str] | None = None) -> int:
             resolve_target(config.model.target, run_target_dir(config.train.output_dir))
         if argv[0] == "stats":
             print(stats_report(config, TokenDataset(shard)))
-    except (ConfigError, DataError, TargetError) as err:  # a user's mistake: one line, no traceback
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except (ConfigError, DataError, TargetError) as err:
+        return user_error(err)
     return 0
 
 

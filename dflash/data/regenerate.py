@@ -36,7 +36,7 @@ from dflash.target.frozen import FrozenTarget, TargetError, load_target_config
 from dflash.target.generate import greedy_batches
 from dflash.target.gguf import is_model_path, resolve_target
 from dflash.target.static import FAST_FAMILIES
-from dflash.util.cli import ConfigError, cli_parser
+from dflash.util.cli import ConfigError, cli_parser, user_error
 from dflash.util.files import output_dir_problem, write_text_durably
 from dflash.util.runtime import pick_device, setup_logging
 
@@ -257,9 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(0)
     try:
         regenerate(args)
-    except (ConfigError, DataError, TargetError) as err:  # a user's mistake: one line, no traceback
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except (ConfigError, DataError, TargetError) as err:
+        return user_error(err)
     return 0
 
 

@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash.data.chat_formats import DataError, Messages
-from dflash.util.cli import cli_parser
+from dflash.util.cli import cli_parser, user_error
 from dflash.util.files import write_text_durably
 from dflash.util.runtime import setup_logging
 
@@ -324,9 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     try:
         report = build_prompts(args)
-    except DataError as err:  # a user's mistake: one line, no traceback
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except DataError as err:
+        return user_error(err)
     for line in summary(report, args.out_dir, time.perf_counter() - started):
         logger.info("%s", line)
     return 0

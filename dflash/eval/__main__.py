@@ -24,7 +24,7 @@ from dflash.drafter.export import DrafterLoadError
 from dflash.eval.evaluate import check_lossless, evaluate_drafters, write_reports
 from dflash.eval.speculative import DECODERS
 from dflash.target.frozen import TargetError
-from dflash.util.cli import cli_parser
+from dflash.util.cli import cli_parser, user_error
 from dflash.util.runtime import pick_device, setup_logging
 
 
@@ -59,9 +59,8 @@ def main(argv: list[str] | None = None) -> int:
             args.target, args.tokenizer or args.target, {"drafter": args.drafter}, args.prompts,
             args.num_prompts, args.max_new_tokens, device, getattr(torch, args.dtype), args.decoder,
         )
-    except EVAL_ERRORS as err:  # a user's mistake: one line, no traceback
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except EVAL_ERRORS as err:
+        return user_error(err)
     if args.output:
         write_reports(reports, args.output)
     return 0 if check_lossless(reports) else 1

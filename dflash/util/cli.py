@@ -33,5 +33,11 @@ def help_with_default(text: str | None, default) -> str | None:
     return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
 
+def user_error(err: Exception) -> int:
+    """A user's mistake ends a command in one line on stderr, no traceback: exit status 2."""
+    print(f"error: {err}", file=sys.stderr)
+    return 2
+
+
 class ConfigError(ValueError):
     """A flag value that cannot work, named with the fix."""
