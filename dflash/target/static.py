@@ -75,6 +75,14 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torc
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
 
 
+def attend(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention over the cache, GQA without copying it: the query heads that share a key/value
+    head are rows of it, [b, Hkv, group x T, d] against keys/values [b, Hkv, span, d], under an
+    additive mask [b, 1, group x T, span]. (dflash.benchmarks.decode_attention times this call
+    against other kernels: in batched regeneration it is most of a step.)"""
+    return F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, scale=scale)
+
+
 class StaticTarget:
     """A FrozenTarget's decoder run over a static KV cache of `batch` rows x `capacity` columns."""
 
@@ -196,5 +204,5 @@ class StaticTarget:
         keys, values = self.keys[index][:, :, :span], self.values[index][:, :, :span]
         # GQA without copying the cache: the query heads sharing a key/value head become rows of it
         rows = q.reshape(b, hkv, heads // hkv * t, d)  # query head h = g * rep + r serves head g
-        out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, scale=attention.scaling)
+        out = attend(rows, keys, values, mask, attention.scaling)
         return attention.o_proj(out.reshape(b, heads, t, d).transpose(1, 2).reshape(b, t, -1))

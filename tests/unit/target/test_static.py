@@ -72,3 +72,26 @@ def test_batched_generation_sizes_each_cache_to_its_prompts_and_keeps_greedy_tok
         replies.update(zip(indices, rows))
     assert sizes == [(2, 48), (4, 16)]  # 100 // (40 + 8 -> 48) rows, then 100 // (4 + 8 -> 16), capped by what is left
     assert replies == {i: greedy_decode(target, p, 8, set()).tokens for i, p in prompts.items()}
+
+
+def test_decode_attention_alternatives_compute_what_the_static_target_calls():
+    """dflash.benchmarks.decode_attention times other kernels against StaticTarget's SDPA call;
+    they must give the same output (rows that see different numbers of columns)."""
+    from dflash.benchmarks.decode_attention import compare
+
+    rows = compare([(5, 40), (3, 17)], kv_heads=2, group=3, head_dim=8, device=torch.device("cpu"),
+                   dtype=torch.float32, repeats=1)
+    assert {r["implementation"] for r in rows} == {"sdpa (StaticTarget)", "matmul + softmax"}
+    assert all(r["max_abs_diff"] < 1e-5 and r["ms"] > 0 for r in rows)
+
+
+
+def test_the_regeneration_step_benchmark_times_and_profiles_a_step():
+    from dflash.benchmarks.regen_step import parse_shapes, time_steps
+
+    result = time_steps(tiny_target("llama", dtype=torch.float32), 3, 40, 20, steps=2, profile=True)
+    assert result["capacity"] == 48 and result["ms_per_step"] > 0 and result["row_steps_per_second"] > 0
+    assert "aten::scaled_dot_product_attention" in result["profile"]
+    assert parse_shapes("4x64x32,2x512x500") == [(4, 64, 32), (2, 512, 500)]
+    with pytest.raises(SystemExit, match="prompt \\+ 8 <= capacity"):
+        parse_shapes("4x64x60")
