@@ -6,15 +6,16 @@ learns what the target says rather than what the dataset says.
 
 Each conversation keeps its turns up to the last user turn; the final reply is replaced by the
 target's. With vLLM installed and a GPU visible, vLLM generates (`--engine auto`, the default);
-otherwise, for greedy decoding of the families dflash.target.static runs (Llama, Mistral,
-Qwen2/3), the static-cache engine does (`fast`: CUDA graphs, one replay per token for a whole
-batch), else HF generation (`hf`). Both batch longest prompts first, at most --batch-tokens
-(prompt + new tokens, left-padded) per batch, so padding stays small and an out-of-memory shows
-in the first batch. Replies are kept exactly as the target wrote them (whitespace included).
+otherwise, for the families dflash.target.static runs (Llama, Mistral, Qwen2/3), the
+static-cache engine does (`fast`: CUDA graphs, one replay per token for a whole batch; greedy, or
+sampled inside the graph), else HF generation (`hf`). Both batch longest prompts first, at most
+--batch-tokens (rows x (longest prompt + new tokens), left-padded) per batch, so padding stays
+small and an out-of-memory shows in the first batch. Replies are kept exactly as the target wrote them (whitespace included).
 Finished replies are appended to <output>.partial as they come, so a killed run resumes where
 it stopped; at the end <output> holds every conversation in input order, usable as
 --train-data. Greedy by default; `--sampling target` uses the target's generation_config
-(temperature, top_p, top_k). `--thinking on|off` is passed to chat templates that know it
+(temperature, top_p, top_k; `--engine auto` leaves the fast engine to HF generation when the
+config sets more, such as a repetition penalty). `--thinking on|off` is passed to chat templates that know it
 (enable_thinking).
 """
 
@@ -29,12 +30,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+from transformers import GenerationConfig
 
 from dflash.data.chat_formats import DataError, load_chat_jsonl
 from dflash.data.tokenization import load_tokenizer, prompt_ids, prompt_messages
 from dflash.target.frozen import FrozenTarget, TargetError, load_target_config
-from dflash.target.generate import greedy_batches
+from dflash.target.generate import generate_batches
 from dflash.target.gguf import is_model_path, resolve_target
+from dflash.target.sampling import Sampling
 from dflash.target.static import FAST_FAMILIES
 from dflash.util.cli import ConfigError, cli_parser, user_error
 from dflash.util.files import output_dir_problem, write_text_durably
@@ -53,10 +56,11 @@ class RegenerateArgs:
     tokenizer: str | None = field(default=None, metadata={"help": "default: --target"})
     max_new_tokens: int = 2048
     batch_tokens: int = field(default=262144, metadata={
-        "help": "HF engine: prompt + new tokens per batch, all rows (an 8B target's KV cache: 38 GB)"})
+        "help": "hf and fast engines: rows x (the batch's longest prompt + --max-new-tokens) per batch "
+                "(an 8B target's KV cache at the default: 38 GB)"})
     engine: str = field(default="auto", metadata={
         "help": "auto (vllm when it is installed and a GPU is visible, else fast where it applies, else hf) | "
-                "fast (static KV cache, CUDA graphs; greedy; Llama, Mistral, Qwen2/3) | hf | vllm"})
+                "fast (static KV cache, CUDA graphs; Llama, Mistral, Qwen2/3) | hf | vllm"})
     sampling: str = field(default="greedy", metadata={"help": "greedy | target (the target's generation_config)"})
     thinking: str = field(default="off", metadata={"help": "off | on, for chat templates with enable_thinking"})
     limit: int = field(default=0, metadata={"help": "only the first N conversations (0: all)"})
@@ -70,8 +74,6 @@ def check_args(args: RegenerateArgs) -> None:
         (args.max_new_tokens >= 1, f"--max-new-tokens {args.max_new_tokens}: use at least 1"),
         (args.batch_tokens >= 1, f"--batch-tokens {args.batch_tokens}: use at least 1"),
         (args.engine in ("auto", "fast", "hf", "vllm"), f"--engine {args.engine}: use auto, fast, hf or vllm"),
-        (args.engine != "fast" or args.sampling == "greedy", "--engine fast decodes greedily; use --sampling "
-                                                             "greedy, or --engine hf for --sampling target"),
         (args.engine != "vllm" or vllm_available(), "--engine vllm: vllm is not installed; pip install vllm, "
                                                     "or use --engine hf"),
         (args.sampling in ("greedy", "target"), f"--sampling {args.sampling}: use greedy or target"),
@@ -174,12 +176,26 @@ def hf_generate(args: RegenerateArgs, tokenizer, prompts: dict[int, list[int]], 
         yield batch, [reply(tokenizer, r) for r in replies]
 
 
+def fast_sampling(args: RegenerateArgs) -> Sampling | None:
+    """The static-cache engine's draw: None (greedy), or the target's own sampling settings;
+    a TargetError when they use what it does not implement."""
+    if args.sampling == "greedy":
+        return None
+    try:
+        config = GenerationConfig.from_pretrained(args.target)
+    except OSError:  # no generation_config.json: HF generation samples with its defaults
+        config = GenerationConfig()
+    return Sampling.of(config)
+
+
 def fast_generate(args: RegenerateArgs, tokenizer, prompts: dict[int, list[int]], todo: dict[int, int]):
-    """Greedy generation on the static-cache target; yields like hf_generate."""
+    """Generation on the static-cache target, greedy or sampled; yields like hf_generate."""
+    sampling = fast_sampling(args)
     target = load_target(args)
     stop_ids = stop_token_ids(target.model, tokenizer)
     todo_prompts = {i: prompts[i] for i in todo}
-    for batch, replies in greedy_batches(target, todo_prompts, args.max_new_tokens, stop_ids, args.batch_tokens):
+    for batch, replies in generate_batches(target, todo_prompts, args.max_new_tokens, stop_ids, args.batch_tokens,
+                                           sampling):
         yield batch, [reply(tokenizer, r) for r in replies]
 
 
@@ -206,12 +222,18 @@ def vllm_generate(args: RegenerateArgs, tokenizer, prompts: dict[int, list[int]]
 
 
 def pick_engine(args: RegenerateArgs):
+    """The engine for `args` (its target already an HF folder)."""
     if args.engine == "vllm" or (args.engine == "auto" and vllm_available() and torch.cuda.is_available()
                                  and args.device != "cpu"):
         return vllm_generate
-    if args.engine == "fast" or (args.engine == "auto" and args.sampling == "greedy"
-                                 and load_target_config(args.target).model_type in FAST_FAMILIES):
+    if args.engine == "fast":
         return fast_generate
+    if args.engine == "auto" and load_target_config(args.target).model_type in FAST_FAMILIES:
+        try:
+            fast_sampling(args)
+            return fast_generate
+        except TargetError:  # sampling settings only HF generation applies
+            pass
     return hf_generate
 
 
@@ -229,8 +251,8 @@ def regenerate(args: RegenerateArgs) -> Path:
     todo = {i: len(p) for i, p in prompts.items() if i not in done}
     logger.info("%d conversations, %d already done (%s), %d to generate", len(prompts), len(done), partial, len(todo))
     if todo:
-        engine = pick_engine(args)
         served = replace(args, target=resolve_target(args.target))  # a GGUF's de-quantized folder
+        engine = pick_engine(served)
         logger.info("generating with %s", engine.__name__)
         started, new_tokens, finished = time.perf_counter(), 0, 0
         with partial.open("a", encoding="utf-8") as sink:

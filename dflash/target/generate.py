@@ -1,6 +1,7 @@
-"""Batched greedy generation on the static-cache target (dflash.target.static), the
-regeneration engine when vLLM is absent: prompts of similar length share a batch, left-padded
-to the longest, and each new token of every row is one CUDA-graph replay."""
+"""Batched generation on the static-cache target (dflash.target.static), the regeneration
+engine when vLLM is absent: prompts of similar length share a batch, left-padded to the longest,
+and each new token of every row is one CUDA-graph replay. Greedy, or sampled with the target's
+settings (dflash.target.sampling)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Iterator
 import torch
 
 from dflash.target.frozen import FrozenTarget
+from dflash.target.sampling import Sampling
 from dflash.target.static import StaticTarget
 
 STOP_CHECK_EVERY = 16  # steps between the host syncs that ask whether every row has stopped
@@ -18,8 +20,8 @@ STOP_CHECK_EVERY = 16  # steps between the host syncs that ask whether every row
 CAPACITY_STEP = 512
 
 
-def greedy_batches(target: FrozenTarget, prompts: dict[int, list[int]], max_new_tokens: int, stop_ids: set[int],
-                   batch_tokens: int) -> Iterator[tuple[list[int], list[list[int]]]]:
+def generate_batches(target: FrozenTarget, prompts: dict[int, list[int]], max_new_tokens: int, stop_ids: set[int],
+                     batch_tokens: int, sampling: Sampling | None = None) -> Iterator[tuple[list[int], list[list[int]]]]:
     """Yields (indices, each row's new tokens up to its first stop, excluded), longest
     prompts first. A batch holds rows x (its longest prompt + max_new_tokens, rounded up to
     CAPACITY_STEP) within batch_tokens; the longest prompts come first, so an out-of-memory
@@ -32,7 +34,7 @@ def greedy_batches(target: FrozenTarget, prompts: dict[int, list[int]], max_new_
         rows = max(1, min(len(order) - first, batch_tokens // capacity))
         if static is None or (static.batch, static.capacity) != (rows, capacity):
             static = None  # the old cache and graphs go before the new ones are allocated
-            static = StaticTarget(target, rows, capacity)
+            static = StaticTarget(target, rows, capacity, sampling=sampling)
         batch = order[first: first + rows]
         first += rows
         yield batch, generate(static, [prompts[i] for i in batch], max_new_tokens, stop_ids)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from dflash.target.frozen import FrozenTarget, TargetError
 from dflash.target.graphs import GraphReplays
+from dflash.target.sampling import Sampling
 
 FAST_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -86,7 +87,8 @@ def attend(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: t
 class StaticTarget:
     """A FrozenTarget's decoder run over a static KV cache of `batch` rows x `capacity` columns."""
 
-    def __init__(self, target: FrozenTarget, batch: int, capacity: int, cuda_graphs: bool = True):
+    def __init__(self, target: FrozenTarget, batch: int, capacity: int, cuda_graphs: bool = True,
+                 sampling: Sampling | None = None):
         model = target.model
         config = model.config
         family = getattr(config, "model_type", type(model).__name__)
@@ -94,6 +96,7 @@ class StaticTarget:
             raise TargetError(f"fast decoding runs {', '.join(FAST_FAMILIES)} targets, not {family}; "
                               "use --decoder plain")
         self.target = target
+        self.sampling = sampling  # None: greedy (the target's choice is its argmax)
         self.batch = batch
         self.capacity = _round_up(capacity, 16)  # aligned mask rows let SDPA take its fused kernels
         device, dtype = target.device, target.embed_tokens.weight.dtype
@@ -183,7 +186,8 @@ class StaticTarget:
                 captured[index] = x
         if last_only:  # a prefill's logits for every position would be [b, P, vocab]
             x = x[:, -1:]
-        choice = target.lm_head(rms_norm(target.decoder.norm, x)).argmax(-1)
+        logits = target.lm_head(rms_norm(target.decoder.norm, x))
+        choice = logits.argmax(-1) if self.sampling is None else self.sampling.choose(logits)
         return choice, torch.cat([captured[i] for i in target.layer_ids], dim=-1)
 
     def _attention(self, index, attention, x, cos, sin, columns, span, mask):

@@ -57,6 +57,20 @@ def test_regenerated_replies_are_the_targets_greedy_replies(tmp_path, capfd, eng
         "the demo target's replies start or end with whitespace: a stripped file would differ"
 
 
+def test_the_fast_engine_samples_with_the_targets_settings(tmp_path, capfd):
+    """--sampling target on the static-cache engine: replies leave the greedy path, a seed
+    repeats them, another seed changes them."""
+    def replies(folder, *extra):
+        folder.mkdir()
+        return [r["messages"][-1]["content"] for r in run(folder, "--engine", "fast", "--limit", "12", *extra)]
+
+    greedy = replies(tmp_path / "greedy")
+    sampled = replies(tmp_path / "a", "--sampling", "target", "--seed", "1")
+    assert "generating with fast_generate" in capfd.readouterr().err
+    assert sampled == replies(tmp_path / "b", "--sampling", "target", "--seed", "1")
+    assert sampled != greedy and sampled != replies(tmp_path / "c", "--sampling", "target", "--seed", "2")
+
+
 def test_an_interrupted_run_resumes_and_the_output_trains(tmp_path, capfd):
     partial = tmp_path / "regen.jsonl.partial"
     partial.write_text("".join(json.dumps({"index": i, "reply": f"kept {i}"}) + "\n" for i in range(10))
@@ -92,7 +106,17 @@ def test_engine_choice_and_a_missing_vllm(tmp_path, capfd, monkeypatch):
     args = RegenerateArgs(target=str(DEMO_TARGET_DIR), prompts=str(DEMO_HELDOUT_DATA), output=str(tmp_path / "o"))
     assert pick_engine(args) is fast_generate  # auto: the static-cache engine for a greedy Qwen3
     args.sampling = "target"
-    assert pick_engine(args) is hf_generate  # sampling falls back to HF generation
+    assert pick_engine(args) is fast_generate  # and for sampling with the target's settings
+    penalised = tmp_path / "penalised"  # a target whose generation config sets what only HF applies
+    penalised.mkdir()
+    for item in DEMO_TARGET_DIR.iterdir():
+        (penalised / item.name).symlink_to(item)
+    (penalised / "generation_config.json").unlink()
+    (penalised / "generation_config.json").write_text(json.dumps({"repetition_penalty": 1.3, "eos_token_id": 2}))
+    args.target = str(penalised)
+    assert pick_engine(args) is hf_generate
+    args.sampling = "greedy"
+    assert pick_engine(args) is fast_generate
     code = regenerate_main(["--target", str(DEMO_TARGET_DIR), "--prompts", str(DEMO_HELDOUT_DATA),
                             "--output", str(tmp_path / "o.jsonl"), "--engine", "vllm"])
     err = capfd.readouterr().err

@@ -136,7 +136,7 @@ def test_fast_decoding_with_cuda_graphs_gives_the_plain_paths_tokens(arch, monke
 
     import dflash.eval.speculative as speculative
     from conftest import tiny_drafter, tiny_target
-    from dflash.target.generate import greedy_batches
+    from dflash.target.generate import generate_batches
 
     target = tiny_target(arch, dtype=torch.float32)
     target.model.cuda()
@@ -149,7 +149,7 @@ def test_fast_decoding_with_cuda_graphs_gives_the_plain_paths_tokens(arch, monke
         assert decoder.greedy(prompt, 40, set()).tokens == tokens
         assert decoder.speculative(prompt, 40, set()).tokens == tokens
     replies = {}
-    for indices, rows in greedy_batches(target, dict(enumerate(prompts)), 40, set(), batch_tokens=10_000):
+    for indices, rows in generate_batches(target, dict(enumerate(prompts)), 40, set(), batch_tokens=10_000):
         replies.update(zip(indices, rows))
     assert [replies[i] for i in range(len(prompts))] == plain
     reference = prompts[1] + plain[1] + [0] * 4
@@ -165,3 +165,28 @@ def test_fast_decoding_with_cuda_graphs_gives_the_plain_paths_tokens(arch, monke
     spec = decoder.speculative(prompts[1], 40, set())
     assert spec.tokens == plain[1]
     assert min(spec.accepted) < 3 == max(spec.accepted)
+
+
+def test_sampling_inside_cuda_graphs_draws_fresh_numbers_at_every_replay():
+    """Regeneration with --sampling target draws inside the captured step: every row and every
+    replay must get new random numbers, and the seed must repeat the run."""
+    from conftest import tiny_target
+    from dflash.target.generate import generate_batches
+    from dflash.target.sampling import Sampling
+
+    target = tiny_target("llama", dtype=torch.float32)
+    target.model.cuda()
+    prompts = {i: [5, 17, 3] for i in range(64)}
+
+    def draw(seed):
+        torch.manual_seed(seed)
+        replies = {}
+        for indices, rows in generate_batches(target, prompts, 12, set(), batch_tokens=64 * 512, sampling=Sampling()):
+            replies.update(zip(indices, rows))
+        return [replies[i] for i in range(64)]
+
+    first = draw(0)
+    assert draw(0) == first and draw(1) != first
+    columns = list(zip(*first))[1:]  # the tokens of each graph replay, one per row
+    assert all(len(set(column)) > 1 for column in columns), "rows draw independently inside the graph"
+    assert len(set(columns)) == len(columns), "each replay draws new numbers"

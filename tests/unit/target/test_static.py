@@ -68,7 +68,7 @@ def test_batched_generation_sizes_each_cache_to_its_prompts_and_keeps_greedy_tok
 
     monkeypatch.setattr(generate, "StaticTarget", recording)
     replies = {}
-    for indices, rows in generate.greedy_batches(target, prompts, 8, set(), batch_tokens=100):
+    for indices, rows in generate.generate_batches(target, prompts, 8, set(), batch_tokens=100):
         replies.update(zip(indices, rows))
     assert sizes == [(2, 48), (4, 16)]  # 100 // (40 + 8 -> 48) rows, then 100 // (4 + 8 -> 16), capped by what is left
     assert replies == {i: greedy_decode(target, p, 8, set()).tokens for i, p in prompts.items()}
