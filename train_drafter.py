@@ -42,15 +42,31 @@ def on_sigint(signum, frame) -> None:
         raise KeyboardInterrupt
 
 
+def how_to_continue(config: RunConfig) -> str:
+    newest = latest_checkpoint(config.train.output_dir)
+    if newest is None:
+        return ("no checkpoint was saved (pass --save-every N to keep one every N steps): start again "
+                "with the same command plus --overwrite")
+    return f"the newest checkpoint is {newest}: resume with the same command plus --resume"
+
+
 def interrupted_line(config: RunConfig, err: BaseException) -> str:
     """Where an interrupted run stands and how to continue it, in one line."""
     step = getattr(err, "step", None)
     at = f"interrupted at step {step}" if step is not None else "interrupted"
-    newest = latest_checkpoint(config.train.output_dir)
-    if newest is None:
-        return (f"{at}; no checkpoint was saved (pass --save-every N to keep one every N steps): start again "
-                "with the same command plus --overwrite")
-    return f"{at}; the newest checkpoint is {newest}: resume with the same command plus --resume"
+    return f"{at}; {how_to_continue(config)}"
+
+
+def out_of_memory_line(config: RunConfig, rank: int, err: BaseException) -> str:
+    """A GPU out-of-memory in one line: the flags that size a step, and how to continue."""
+    d, t = config.data, config.train
+    positions = d.max_draft_positions if d.max_draft_positions is not None else "set by the memory model"
+    sized = (f"--max-tokens {d.max_tokens} (padded tokens per micro-batch), --max-draft-positions {positions} and "
+             f"--max-anchors {t.max_anchors}")
+    if t.kl_weight > 0:
+        sized += f", with --kl-weight {t.kl_weight} (the target's final hidden states travel too)"
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return f"rank {rank}: out of GPU memory ({first}); a step's size is set by {sized}: lower them; {how_to_continue(config)}"
 
 
 def final_evaluation(config, result, device) -> None:
@@ -88,6 +104,12 @@ def main(argv: list[str] | None = None) -> int:
         abandon(2)
         return 2
     except BaseException as err:
+        import torch  # loaded by the run already
+
+        if isinstance(err, torch.OutOfMemoryError):
+            logger.error("%s", out_of_memory_line(config, ranks.rank, err))
+            abandon(1)
+            return 1
         if isinstance(err, KeyboardInterrupt) or INTERRUPTED.is_set():
             if ranks.is_main:
                 logger.warning("%s", interrupted_line(config, err))

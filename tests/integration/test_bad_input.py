@@ -263,3 +263,24 @@ def test_the_decode_benchmark_needs_a_plain_prompt_to_compare_with(capsys, paths
         decode.main(["--target", paths["target"], "--prompts", paths["data"], "--plain-prompts", "0"])
     assert exit_info.value.code == 2
     assert "--plain-prompts 0: use 1..--num-prompts (16)" in capsys.readouterr().err
+
+
+def test_running_out_of_gpu_memory_names_the_flags_that_size_a_step(tiny_setup, tmp_path, capfd, monkeypatch):
+    """An out-of-memory mid-run ends in one line that names the step-sizing flags and how to go on."""
+    import dflash.training.run as run
+    from conftest import tiny_args
+
+    def out_of_memory(config, ranks):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 768.00 MiB. GPU 0 has ...\nmore")
+
+    monkeypatch.setattr(run, "train", out_of_memory)
+    assert train_drafter.main(tiny_args(tiny_setup, tmp_path / "run", "--kl-weight", "1")) == 1
+    err = capfd.readouterr().err
+    lines = [line.split("ERROR train_drafter: ")[-1] for line in err.splitlines() if "out of GPU memory" in line]
+    assert "Traceback" not in err
+    assert lines == ["rank 0: out of GPU memory (CUDA out of memory. Tried to allocate 768.00 MiB. GPU 0 has ...); "
+                     "a step's size is set by --max-tokens 256 (padded tokens per micro-batch), --max-draft-positions "
+                     "set by the memory model and --max-anchors 8, "
+                     "with --kl-weight 1.0 (the target's final hidden states travel too): lower them; no checkpoint "
+                     "was saved (pass --save-every N to keep one every N steps): start again with the same command "
+                     "plus --overwrite"]
