@@ -11,7 +11,7 @@ import torch
 
 from dflash.target.frozen import FrozenTarget
 from dflash.target.sampling import Sampling
-from dflash.target.static import StaticTarget
+from dflash.target.static import StaticTarget, round_up
 
 STOP_CHECK_EVERY = 16  # steps between the host syncs that ask whether every row has stopped
 # A batch's cache is its longest prompt + max_new_tokens rounded up to this: short prompts get
@@ -30,7 +30,7 @@ def generate_batches(target: FrozenTarget, prompts: dict[int, list[int]], max_ne
     static = None
     first = 0
     while first < len(order):
-        capacity = -(-(len(prompts[order[first]]) + max_new_tokens) // CAPACITY_STEP) * CAPACITY_STEP
+        capacity = round_up(len(prompts[order[first]]) + max_new_tokens, CAPACITY_STEP)
         rows = max(1, min(len(order) - first, batch_tokens // capacity))
         if static is None or (static.batch, static.capacity) != (rows, capacity):
             static = None  # the old cache and graphs go before the new ones are allocated

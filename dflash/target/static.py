@@ -61,7 +61,7 @@ def fused_rows(module: torch.nn.Module, name: str, linears: list[torch.nn.Linear
     return weight, bias
 
 
-def _round_up(value: int, multiple: int) -> int:
+def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
@@ -98,7 +98,7 @@ class StaticTarget:
         self.target = target
         self.sampling = sampling  # None: greedy (the target's choice is its argmax)
         self.batch = batch
-        self.capacity = _round_up(capacity, 16)  # aligned mask rows let SDPA take its fused kernels
+        self.capacity = round_up(capacity, 16)  # aligned mask rows let SDPA take its fused kernels
         device, dtype = target.device, target.embed_tokens.weight.dtype
         attention = target.layers[0].self_attn
         shape = (len(target.layers), batch, config.num_key_value_heads, self.capacity, attention.head_dim)
@@ -148,7 +148,7 @@ class StaticTarget:
         return self._start + torch.arange(ids.shape[1], device=ids.device)
 
     def _span(self, start: int, ids: torch.Tensor) -> int:
-        return min(self.capacity, _round_up(start + ids.shape[1], SPAN_STEP))
+        return min(self.capacity, round_up(start + ids.shape[1], SPAN_STEP))
 
     def _masks(self, columns: torch.Tensor, span: int, dtype: torch.dtype, repeat: int) -> list[torch.Tensor]:
         """Each layer's additive attention mask [b, 1, repeat x T, span] (0: visible, -inf: not),
