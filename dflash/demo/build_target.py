@@ -261,6 +261,8 @@ def main() -> None:
     args = parse_args()
     if args.warmup_steps < 2:
         raise SystemExit(f"--warmup-steps {args.warmup_steps}: at least 2 (--minutes times the warmup's second half)")
+    if args.hidden_size < 64 or args.hidden_size % 64:
+        raise SystemExit(f"--hidden-size {args.hidden_size}: use a multiple of 64 (attention heads are 64 wide)")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     if args.chats:

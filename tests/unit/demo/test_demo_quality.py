@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
+
 from transformers import AutoTokenizer
 
 from dflash.demo import DEMO_TARGET_DIR, DEMO_TRAIN_DATA
@@ -87,3 +89,11 @@ def test_a_target_built_from_chats_loads_and_reports_its_held_out_loss(tmp_path,
     uniform = math.log(model.config.vocab_size)
     assert report["train_loss"] < 0.8 * uniform and report["heldout_loss"] < 0.8 * uniform, report
     assert 0.5 < heldout_loss_ratio(report) < 2, report
+
+
+def test_a_width_the_attention_heads_cannot_split_is_refused(monkeypatch):
+    from dflash.demo import build_target
+
+    monkeypatch.setattr(sys, "argv", ["build_target", "--hidden-size", "32"])
+    with pytest.raises(SystemExit, match="--hidden-size 32: use a multiple of 64"):
+        build_target.main()
