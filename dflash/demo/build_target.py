@@ -261,6 +261,9 @@ def main() -> None:
     args = parse_args()
     if args.warmup_steps < 2:
         raise SystemExit(f"--warmup-steps {args.warmup_steps}: at least 2 (--minutes times the warmup's second half)")
+    if args.chats and args.steps is not None:
+        raise SystemExit(f"--steps {args.steps}: with --chats the run is --epochs whole passes over the conversations; "
+                         "leave --steps out")
     if args.hidden_size < 64 or args.hidden_size % 64:
         raise SystemExit(f"--hidden-size {args.hidden_size}: use a multiple of 64 (attention heads are 64 wide)")
     torch.set_num_threads(args.threads)

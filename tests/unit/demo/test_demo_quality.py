@@ -91,9 +91,13 @@ def test_a_target_built_from_chats_loads_and_reports_its_held_out_loss(tmp_path,
     assert 0.5 < heldout_loss_ratio(report) < 2, report
 
 
-def test_a_width_the_attention_heads_cannot_split_is_refused(monkeypatch):
+@pytest.mark.parametrize("flags, message", [
+    (["--hidden-size", "32"], "--hidden-size 32: use a multiple of 64"),
+    (["--chats", "c.jsonl", "--steps", "3"], "--steps 3: with --chats the run is --epochs whole passes"),
+])
+def test_flags_build_target_cannot_honour_are_refused(monkeypatch, flags, message):
     from dflash.demo import build_target
 
-    monkeypatch.setattr(sys, "argv", ["build_target", "--hidden-size", "32"])
-    with pytest.raises(SystemExit, match="--hidden-size 32: use a multiple of 64"):
+    monkeypatch.setattr(sys, "argv", ["build_target", *flags])
+    with pytest.raises(SystemExit, match=message):
         build_target.main()
