@@ -14,8 +14,8 @@ small and an out-of-memory shows in the first batch. Replies are kept exactly as
 Finished replies are appended to <output>.partial as they come, so a killed run resumes where
 it stopped; at the end <output> holds every conversation in input order, usable as
 --train-data. Greedy by default; `--sampling target` uses the target's generation_config
-(temperature, top_p, top_k; `--engine auto` leaves the fast engine to HF generation when the
-config sets more, such as a repetition penalty). `--thinking on|off` is passed to chat templates that know it
+(temperature, top_p, top_k; when the config sets more, such as a repetition penalty,
+`--engine auto` picks HF generation over the fast engine). `--thinking on|off` is passed to chat templates that know it
 (enable_thinking).
 """
 
