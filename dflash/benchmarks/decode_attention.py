@@ -12,14 +12,17 @@ row-specific end, as rows of different prompt lengths do after left padding.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from dflash.target.static import attend
+from dflash.util.cli import cli_parser
+from dflash.util.runtime import pick_device, setup_logging
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +134,18 @@ def compare(shapes: list[tuple[int, int]], kv_heads: int, group: int, head_dim: 
     return results
 
 
+@dataclass
+class DecodeAttentionArgs:
+    shapes: str = field(default="1024x768,341x2560", metadata={"help": "rows x used columns, comma-separated"})
+    kv_heads: int = field(default=3, metadata={"help": "key/value heads (SmolLM2-135M: 3)"})
+    group: int = field(default=3, metadata={"help": "query heads per key/value head (SmolLM2-135M: 3)"})
+    head_dim: int = 64
+    dtype: str = "bfloat16"
+    device: str = "auto"
+    repeats: int = 20
+    output: str | None = field(default=None, metadata={"help": "also write the rows as JSON here"})
+
+
 def parse_shapes(text: str) -> list[tuple[int, int]]:
     try:
         return [(int(a), int(b)) for a, b in (part.split("x") for part in text.split(","))]
@@ -139,27 +154,16 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dflash.benchmarks.decode_attention", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default="1024x768,341x2560", help="rows x used columns, comma-separated")
-    parser.add_argument("--kv-heads", type=int, default=3, help="key/value heads (SmolLM2-135M: 3)")
-    parser.add_argument("--group", type=int, default=3, help="query heads per key/value head (SmolLM2-135M: 3)")
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--output", help="also write the rows as JSON here")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    rows = compare(parse_shapes(args.shapes), args.kv_heads, args.group, args.head_dim, torch.device(args.device),
+    (args,) = cli_parser(DecodeAttentionArgs).parse_args_into_dataclasses(argv)
+    setup_logging(0)
+    rows = compare(parse_shapes(args.shapes), args.kv_heads, args.group, args.head_dim, pick_device(args.device, 0),
                    getattr(torch, args.dtype), args.repeats)
     logger.info("| rows | span | implementation | ms per layer | KV GB/s | max abs diff |\n|---|---|---|---|---|---|")
     for r in rows:
         logger.info("| %d | %d | %s | %.3f | %.0f | %.2e |", r["rows"], r["span"], r["implementation"], r["ms"],
                     r["kv_gb_per_s"], r["max_abs_diff"])
     if args.output:
-        with open(args.output, "w") as f:
-            json.dump(rows, f, indent=1)
+        Path(args.output).write_text(json.dumps(rows, indent=1) + "\n")
     return 0
 
 

@@ -10,16 +10,19 @@ graph replays on a GPU, as regeneration runs them.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from dflash.target.frozen import FrozenTarget
 from dflash.target.gguf import resolve_target
 from dflash.target.static import StaticTarget
+from dflash.util.cli import cli_parser
+from dflash.util.runtime import pick_device, setup_logging
 
 logger = logging.getLogger(__name__)
 
@@ -76,22 +79,22 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
     return shapes
 
 
+@dataclass
+class RegenStepArgs:
+    target: str = field(metadata={"help": "an HF folder or a .gguf file"})
+    shapes: str = field(default="1024x1024x600,341x3072x2400", metadata={"help": "rows x capacity x prompt, comma-separated"})
+    steps: int = 50
+    profile: bool = field(default=False, metadata={"help": "also list the kernels that take the step's time"})
+    dtype: str = "bfloat16"
+    device: str = "auto"
+    output: str | None = field(default=None, metadata={"help": "also write the results as JSON here"})
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dflash.benchmarks.regen_step", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", required=True, help="an HF folder or a .gguf file")
-    parser.add_argument("--shapes", default="1024x1024x600,341x3072x2400", help="rows x capacity x prompt, comma-separated")
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--profile", action="store_true", help="also list the kernels that take the step's time")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--output", help="also write the results as JSON here")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    (args,) = cli_parser(RegenStepArgs).parse_args_into_dataclasses(argv)
+    setup_logging(0)
     shapes = parse_shapes(args.shapes)
-    device = torch.device(args.device)
-    folder = resolve_target(args.target, None)
-    target = FrozenTarget.load(folder, [0], getattr(torch, args.dtype), device)
+    target = FrozenTarget.load(resolve_target(args.target), [0], getattr(torch, args.dtype), pick_device(args.device, 0))
     results = []
     for rows, capacity, prompt in shapes:
         result = time_steps(target, rows, capacity, prompt, args.steps, args.profile)
@@ -101,8 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             logger.info("%s", result["profile"])
         results.append(result)
     if args.output:
-        with open(args.output, "w") as f:
-            json.dump(results, f, indent=1)
+        Path(args.output).write_text(json.dumps(results, indent=1) + "\n")
     return 0
 
 
