@@ -156,15 +156,19 @@ def test_a_target_stalled_after_the_last_step_costs_a_warning_not_the_drafter(ti
     """A target rank stopped (SIGSTOP) once it has served what the drafter still needs: the drafter
     finishes, saves, exports, warns that the target did not answer the requests sent ahead, and
     exits 0 without waiting for it at the final barrier."""
-    args = tiny_args(tiny_setup, tmp_path, "--target-ranks", "1", "--save-every", "2", "--transport-timeout-s", "10")
+    # --credits 8: the drafter asks for up to 8 steps ahead, so the target can answer all the
+    # steps trained while requests sent ahead past the last one are left unanswered
+    args = tiny_args(tiny_setup, tmp_path, "--target-ranks", "1", "--save-every", "2", "--transport-timeout-s", "10",
+                     "--credits", "8")
     procs = start_ranks(args, 2, stderr=subprocess.PIPE)
-    metrics = tmp_path / "metrics.jsonl"
+    served = tmp_path / "target_metrics" / "rank1.jsonl"
     try:
         deadline = time.monotonic() + 180
-        # the target computes ahead of the drafter (--credits requests in flight): by step 6 it
-        # has served steps 7 and 8
-        while not (metrics.exists() and metrics.read_text().count("\n") >= STEPS - 2):
-            assert time.monotonic() < deadline and procs[0].poll() is None, "training never got there"
+        # stop the target once the responses for every step trained have left it (a transfer still
+        # in flight would stop with it)
+        while not (served.exists() and max(map(int, re.findall(r'"responses_sent": (\d+)', served.read_text())),
+                                           default=0) >= STEPS):
+            assert time.monotonic() < deadline and procs[0].poll() is None, "the target never answered the last step"
             time.sleep(0.01)
         procs[1].send_signal(signal.SIGSTOP)
         _, err = procs[0].communicate(timeout=120)

@@ -33,6 +33,7 @@ class ServeStats:
     idle_s: float = 0.0  # waiting with nothing to serve
     forward_s: float = 0.0  # the target's forward over the finished requests (GPU time on CUDA)
     bytes_sent: int = 0
+    responses_sent: int = 0  # responses whose transfer finished (the rest are still in flight)
     started: float = field(default_factory=time.monotonic)
 
     def record(self, step: int, queued: int) -> dict:
@@ -40,7 +41,8 @@ class ServeStats:
         wall = max(time.monotonic() - self.started, 1e-9)
         return {"step": step, "requests": sum(self.requests.values()), "wall_s": round(wall, 3),
                 "forward_fraction": round(self.forward_s / wall, 4), "serving_fraction": round(self.busy_s / wall, 4),
-                "idle_fraction": round(self.idle_s / wall, 4), "queued": queued, "mb_sent": round(self.bytes_sent / 1e6, 3)}
+                "idle_fraction": round(self.idle_s / wall, 4), "queued": queued, "responses_sent": self.responses_sent,
+                "mb_sent": round(self.bytes_sent / 1e6, 3)}
 
 
 class _ServiceClock:
@@ -248,3 +250,4 @@ class TargetServer:
     def _retire(self, drafter: int, step: int, ops: list[Op], stats: ServeStats, deadline: float) -> None:
         self._links[drafter].wait(ops, deadline, self.spec.timeout_s, f"step {step}", "the response")
         stats.bytes_sent += ops[0].nbytes
+        stats.responses_sent += 1
