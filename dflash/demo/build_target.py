@@ -32,8 +32,8 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from dflash.demo import DEMO_TARGET_DIR
-from dflash.demo.chat_corpus import (collate, conversation_texts, encode_all, load_conversations, mean_loss, one_pass,
-                                     padded_batches)
+from dflash.demo.chat_corpus import (collate, conversation_texts, encode_all, first_turns, load_conversations,
+                                     mean_loss, one_pass, padded_batches)
 from dflash.demo.corpus import (CHAT_TEMPLATE, PROMPT_LINES, RESPONSE_LINES, SnippetSampler, SourceFile, load_sources,
                                 user_prompt)
 from dflash.util.runtime import pick_device
@@ -80,6 +80,12 @@ def parse_args() -> argparse.Namespace:
                         help="processes making batches (0: in the training process; a GPU outruns one)")
     parser.add_argument("--chats", type=Path, nargs="+", help="chat JSONL files: train on their conversations instead")
     parser.add_argument("--epochs", type=int, default=1, help="--chats: passes over the conversations")
+    parser.add_argument("--max-conversations", type=int, default=0, help="--chats: the first N that pass the filters (0: all)")
+    parser.add_argument("--max-prompt-chars", type=int, default=0,
+                        help="--chats: leave out conversations whose first turn is longer (0: keep all)")
+    parser.add_argument("--exclude-prompts", type=Path, action="append", default=[],
+                        help="--chats: leave out conversations that start with a prompt of this file (the demo's "
+                             "held-out prompts; repeatable)")
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--layers", type=int, default=8)
     return parser.parse_args()
@@ -269,7 +275,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     if args.chats:
-        train_chats, heldout_chats = load_conversations(args.chats)
+        excluded = set().union(*(first_turns(path) for path in args.exclude_prompts))
+        train_chats, heldout_chats = load_conversations(args.chats, excluded, args.max_prompt_chars,
+                                                        args.max_conversations)
         logger.info("training on %d conversations (%d held out)", len(train_chats), len(heldout_chats))
         tokenizer = train_tokenizer(conversation_texts(train_chats), args.vocab_size)
     else:

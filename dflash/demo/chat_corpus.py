@@ -36,13 +36,33 @@ def is_heldout(messages: list[dict]) -> bool:
     return conversation_key(messages)[0] % HELDOUT_MODULUS == 0
 
 
-def load_conversations(paths: list[Path]) -> tuple[list[list[dict]], list[list[dict]]]:
-    """(train, held out) conversations of every file, in file order."""
+def load_conversations(paths: list[Path], exclude_prompts: set[str] = frozenset(), max_prompt_chars: int = 0,
+                       limit: int = 0) -> tuple[list[list[dict]], list[list[dict]]]:
+    """(train, held out) conversations of every file, in file order: the first `limit` (0: all)
+    whose first user turn is at most `max_prompt_chars` long (0: any) and none of `exclude_prompts`
+    (the demo's evaluation prompts, which the target must not have seen answered)."""
     train, heldout = [], []
+    kept = 0
     for path in paths:
         for messages in load_chat_jsonl(path):
+            first = opening_prompt(messages)
+            if first.strip() in exclude_prompts or (max_prompt_chars and len(first) > max_prompt_chars):
+                continue
+            if limit and kept == limit:
+                return train, heldout
+            kept += 1
             (heldout if is_heldout(messages) else train).append(messages)
     return train, heldout
+
+
+def opening_prompt(messages: list[dict]) -> str:
+    """The conversation's first user turn ("" when it has none)."""
+    return next((m["content"] for m in messages if m["role"] == "user"), "")
+
+
+def first_turns(path: Path) -> set[str]:
+    """The opening prompt of every conversation in a chat JSONL file (of a prompts file: its prompts)."""
+    return {opening_prompt(messages).strip() for messages in load_chat_jsonl(path, require_reply=False)}
 
 
 def conversation_texts(conversations: list[list[dict]]) -> Iterator[str]:
