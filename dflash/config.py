@@ -35,7 +35,8 @@ class ModelArgs:
     tokenizer: str | None = field(default=None, metadata={"help": "tokenizer folder with a chat template, or a .gguf file (default: --target)"})
     num_draft_layers: int | None = field(default=None, metadata={"help": "drafter layers (recipe 5, demo 1)"})
     target_layer_ids: list[int] | None = field(default=None, metadata={"help": "target layers whose outputs feed the drafter"})
-    num_target_features: int = field(default=5, metadata={"help": "K, when --target-layer-ids is not given"})
+    num_target_features: int | None = field(default=None, metadata={
+        "help": "K, when --target-layer-ids is not given (recipe 5, demo 4: all of the demo target's layers)"})
     block_size: int = field(default=16, metadata={"help": "B, tokens drafted per forward"})
     draft_window: int = field(default=0, metadata={"help": "sliding window of the drafter's layers: a block sees the W context positions before its anchor (0: all)"})
     mask_token_id: int | None = field(default=None, metadata={"help": "default: tokenizer mask token, else first unused embedding row"})
@@ -105,8 +106,10 @@ class TrainArgs:
     eval_dtype: str = field(default="float32", metadata={"help": "float32 (exact lossless check) | bfloat16"})
 
 
-RECIPE = {"num_draft_layers": 5, "epochs": 6, "max_anchors": 512, "max_length": 3072, "max_tokens": 8192}
-DEMO = {"num_draft_layers": 1, "epochs": 2, "max_anchors": 16, "max_length": 512, "max_tokens": 2048}
+RECIPE = {"num_draft_layers": 5, "num_target_features": 5, "epochs": 6, "max_anchors": 512, "max_length": 3072,
+          "max_tokens": 8192}
+DEMO = {"num_draft_layers": 1, "num_target_features": 4, "epochs": 2, "max_anchors": 16, "max_length": 512,
+        "max_tokens": 2048}
 
 
 @dataclass

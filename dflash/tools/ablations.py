@@ -41,7 +41,7 @@ GROUPS: dict[str, list[tuple[str, list[str]]]] = {
     "loss": [("ce", []), ("dpace", ["--loss", "dpace"]), ("ce+dpace", ["--loss", "ce+dpace"])],
     "slot weights": [("decay", []), ("uniform", ["--slot-weights", "uniform"])],
     "anchors": [("random", []), ("stride", ["--anchors", "stride"])],
-    "feature layers": [("5", []), ("3", ["--num-target-features", "3"]), ("1", ["--num-target-features", "1"])],
+    "feature layers": [("default", []), ("3", ["--num-target-features", "3"]), ("1", ["--num-target-features", "1"])],
     "draft layers": [("default", []), ("1", ["--num-draft-layers", "1"]), ("3", ["--num-draft-layers", "3"]),
                      ("8", ["--num-draft-layers", "8"])],
     "attention": [("full", []), ("window 64", ["--draft-window", "64"])],
