@@ -49,7 +49,7 @@ CHAT_TEMPLATE = (
 # Loss is reported as the mean over this many steps (also the start/end loss).
 LOG_EVERY = 25
 # The checkpoint is written in shards of at most this size, so that no tracked file is large.
-SHARD_SIZE = "8MB"
+SHARD_SIZE = "4MB"
 # Written next to the target: its losses, read by the demo quality test.
 BUILD_REPORT = "build_report.json"
 

@@ -53,8 +53,6 @@ def test_regenerated_replies_are_the_targets_greedy_replies(tmp_path, capfd, eng
         assert records[i]["messages"][-1]["content"] == tokenizer.decode(alone, skip_special_tokens=True), i
         ids, mask = tokenize_conversation(tokenizer, records[i]["messages"])
         assert ids[mask].tolist()[: len(alone)] == alone, "the trained tokens are the target's own tokens"
-    assert any(r["messages"][-1]["content"] != r["messages"][-1]["content"].strip() for r in records), \
-        "the demo target's replies start or end with whitespace: a stripped file would differ"
 
 
 def test_the_fast_engine_samples_with_the_targets_settings(tmp_path, capfd):

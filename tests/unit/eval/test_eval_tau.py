@@ -38,10 +38,11 @@ def test_teacher_forced_tau_equals_real_tau_on_the_demo_target():
     from dflash.drafter.step import DrafterStep, StepSettings
     from dflash.drafter.model import DFlashDrafter, drafter_config
     from dflash.drafter.objective import slot_weights
-    from dflash.target.frozen import FrozenTarget, default_target_layer_ids, resolve_mask_token_id
+    from dflash.target.frozen import (FrozenTarget, default_target_layer_ids, load_target_config,
+                                      resolve_mask_token_id)
 
     tokenizer = load_tokenizer(DEMO_TARGET_DIR)
-    layers = default_target_layer_ids(8, 3)
+    layers = default_target_layer_ids(load_target_config(str(DEMO_TARGET_DIR)).num_hidden_layers, 3)
     target = FrozenTarget.load(str(DEMO_TARGET_DIR), layers, torch.float32, torch.device("cpu"))
     torch.manual_seed(0)
     drafter = DFlashDrafter(drafter_config(target.model.config, 1, layers, 8,
@@ -97,10 +98,11 @@ def test_a_drafter_that_memorised_its_samples_is_told_apart(tmp_path):
     from dflash.drafter.model import DFlashDrafter, drafter_config
     from dflash.drafter.objective import slot_weights
     from dflash.eval.periodic import TauProbe, memorising
-    from dflash.target.frozen import FrozenTarget, default_target_layer_ids, resolve_mask_token_id
+    from dflash.target.frozen import (FrozenTarget, default_target_layer_ids, load_target_config,
+                                      resolve_mask_token_id)
 
     tokenizer = load_tokenizer(DEMO_TARGET_DIR)
-    layers = default_target_layer_ids(8, 3)
+    layers = default_target_layer_ids(load_target_config(str(DEMO_TARGET_DIR)).num_hidden_layers, 3)
     target = FrozenTarget.load(str(DEMO_TARGET_DIR), layers, torch.float32, torch.device("cpu"))
     dataset = TokenDataset(prepare_dataset(DEMO_TRAIN_DATA, tokenizer, tmp_path / "shard", 256))
     torch.manual_seed(0)

@@ -84,10 +84,11 @@ def test_demo_target_output_equals_greedy():
     from dflash.data.tokenization import load_tokenizer, prompt_ids
     from dflash.demo import DEMO_HELDOUT_DATA, DEMO_TARGET_DIR
     from dflash.drafter.model import DFlashDrafter, drafter_config
-    from dflash.target.frozen import FrozenTarget, default_target_layer_ids, resolve_mask_token_id
+    from dflash.target.frozen import (FrozenTarget, default_target_layer_ids, load_target_config,
+                                      resolve_mask_token_id)
 
     tokenizer = load_tokenizer(DEMO_TARGET_DIR)
-    layers = default_target_layer_ids(8, 5)
+    layers = default_target_layer_ids(load_target_config(str(DEMO_TARGET_DIR)).num_hidden_layers, 4)
     target = FrozenTarget.load(str(DEMO_TARGET_DIR), layers, torch.float32, torch.device("cpu"))
     mask_id = resolve_mask_token_id(tokenizer, target.model.config, None)
     torch.manual_seed(0)
