@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -95,9 +96,12 @@ def start_ranks(args: list[str], world: int, stderr=subprocess.DEVNULL) -> list[
 
     base = {**os.environ, "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(free_port())}
+    # Ctrl-C as from a terminal: a suite started in the background (`cmd &`) ignores SIGINT, and
+    # its children would inherit that (train_drafter.py then leaves SIGINT alone, as it should)
     return [subprocess.Popen([sys.executable, str(REPO / "train_drafter.py"), *args], cwd=REPO,
                              env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
-                             stdout=subprocess.DEVNULL, stderr=stderr if r == 0 else subprocess.DEVNULL, text=True)
+                             stdout=subprocess.DEVNULL, stderr=stderr if r == 0 else subprocess.DEVNULL, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
             for r in range(world)]
 
 
