@@ -37,6 +37,8 @@ class ModelArgs:
     target_layer_ids: list[int] | None = field(default=None, metadata={"help": "target layers whose outputs feed the drafter"})
     num_target_features: int | None = field(default=None, metadata={
         "help": "K, when --target-layer-ids is not given (recipe 5, demo 4: all of the demo target's layers)"})
+    init_from_target_layers: list[int] | None = field(default=None, metadata={
+        "help": "start drafter layer i as a copy of target layer i of this list (one per drafter layer; default: random)"})
     block_size: int = field(default=16, metadata={"help": "B, tokens drafted per forward"})
     draft_window: int = field(default=0, metadata={"help": "sliding window of the drafter's layers: a block sees the W context positions before its anchor (0: all)"})
     mask_token_id: int | None = field(default=None, metadata={"help": "default: tokenizer mask token, else first unused embedding row"})
@@ -312,6 +314,9 @@ def validate(config: RunConfig, for_training: bool = True) -> None:
     _require(d.prepare_workers >= 0, f"--prepare-workers {d.prepare_workers}: use 0 (auto) or a process count")
     _require(0 <= d.max_bad_fraction <= 1, f"--max-bad-fraction {d.max_bad_fraction}: use a fraction in [0, 1]")
     _require(m.num_draft_layers >= 1, f"--num-draft-layers {m.num_draft_layers}: need at least 1")
+    _require(m.init_from_target_layers is None or len(m.init_from_target_layers) == m.num_draft_layers,
+             f"--init-from-target-layers {m.init_from_target_layers}: give one target layer per drafter layer "
+             f"(--num-draft-layers {m.num_draft_layers})")
     _require(2 <= m.block_size <= d.max_length,
              f"--block-size {m.block_size}: need 2 <= block size <= --max-length ({d.max_length})")
     _require(t.max_anchors >= 1, f"--max-anchors {t.max_anchors}: need at least one anchor per sequence")

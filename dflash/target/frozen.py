@@ -126,7 +126,7 @@ class FrozenTarget:
             names.setdefault(id(param), []).append(name)
         embed_names = names[id(skeleton.get_input_embeddings().weight)]
         head_names = names[id(skeleton.get_output_embeddings().weight)]
-        tensors = _read_safetensors(Path(path), set(embed_names) | set(head_names))
+        tensors = read_safetensors(Path(path), set(embed_names) | set(head_names))
         # Tied weights are one parameter under several names, stored once under any of them.
         embed_weight = next(tensors[n] for n in embed_names + head_names if n in tensors)
         head_weight = next(tensors[n] for n in head_names + embed_names if n in tensors)
@@ -265,7 +265,18 @@ def _weights_hint(folder: Path) -> str:
     return "check that the folder holds a complete HF causal-LM checkpoint"
 
 
-def _read_safetensors(folder: Path, wanted: set[str]) -> dict[str, torch.Tensor]:
+def safetensors_names(folder: Path) -> set[str]:
+    """Every tensor name in a (possibly sharded) safetensors checkpoint."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            names |= set(f.keys())
+    return names
+
+
+def read_safetensors(folder: Path, wanted: set[str]) -> dict[str, torch.Tensor]:
     """The named tensors from a (possibly sharded) safetensors checkpoint."""
     from safetensors import safe_open
 

@@ -19,6 +19,7 @@ from dflash.data.dataset import TokenDataset
 from dflash.data.sampler import RankAwareBucketSampler
 from dflash.drafter.attention import resolve_backend
 from dflash.drafter.export import export_drafter
+from dflash.drafter.init_from_target import init_from_target_layers
 from dflash.drafter.model import DFlashDrafter
 from dflash.drafter.objective import LossTerms, default_gamma, slot_weights
 from dflash.drafter.step import DrafterStep, StepSettings
@@ -94,6 +95,11 @@ def build_drafter_run(ctx: RankContext) -> DrafterRun:
     is_main = drafter_rank == 0
     torch.manual_seed(config.train.seed)  # same initial drafter whatever was loaded before
     drafter = DFlashDrafter(dcfg)
+    if config.model.init_from_target_layers:
+        kept = init_from_target_layers(drafter, config.model.target, config.model.init_from_target_layers)
+        if is_main:
+            logger.info("drafter layers start from target layers %s (kept their own: %s)",
+                        config.model.init_from_target_layers, ", ".join(kept))
     embed, lm_head = frozen_embedding_and_head(config, ctx.target, device)
     ds_config = deepspeed_config(config, device)
     newest = resume_point(ctx.out_dir, log=is_main) if config.train.resume else None
