@@ -33,13 +33,13 @@ DEFAULT_BUCKETS = [0, 770, 1216, 1728, 2432, 3296, 8192]
 class ModelArgs:
     target: str | None = field(default=None, metadata={"help": "HF causal-LM folder, or a .gguf file (de-quantized once into <output-dir>/target-hf) (default: the shipped demo target)"})
     tokenizer: str | None = field(default=None, metadata={"help": "tokenizer folder with a chat template, or a .gguf file (default: --target)"})
-    num_draft_layers: int | None = field(default=None, metadata={"help": "drafter layers (recipe 5, demo 1)"})
+    num_draft_layers: int | None = field(default=None, metadata={"help": "drafter layers (recipe 5, demo 3)"})
     target_layer_ids: list[int] | None = field(default=None, metadata={"help": "target layers whose outputs feed the drafter"})
     num_target_features: int | None = field(default=None, metadata={
         "help": "K, when --target-layer-ids is not given (recipe 5, demo 4: all of the demo target's layers)"})
     init_from_target_layers: list[int] | None = field(default=None, metadata={
         "help": "start drafter layer i as a copy of target layer i of this list (one per drafter layer; default: random)"})
-    block_size: int = field(default=16, metadata={"help": "B, tokens drafted per forward"})
+    block_size: int | None = field(default=None, metadata={"help": "B, tokens drafted per forward (recipe 16, demo 8)"})
     draft_window: int = field(default=0, metadata={"help": "sliding window of the drafter's layers: a block sees the W context positions before its anchor (0: all)"})
     mask_token_id: int | None = field(default=None, metadata={"help": "default: tokenizer mask token, else first unused embedding row"})
     attention_backend: str = field(default="auto", metadata={"help": "auto | sdpa | flex"})
@@ -58,6 +58,8 @@ class DataArgs:
     bucket_boundaries: list[int] = field(default_factory=lambda: list(DEFAULT_BUCKETS))
     max_tokens: int | None = field(default=None, metadata={"help": "padded tokens per micro-batch (recipe 8192, demo 2048)"})
     prepare_workers: int = field(default=0, metadata={"help": "processes tokenizing the data (0: the usable cores, up to 16, for files of 8 MB and more, else 1)"})
+    cache_target_features: bool | None = field(default=None, metadata={
+        "help": "keep each sample's target features after its first epoch, so later epochs skip the target's forward; memory: every token's features (recipe off, demo on)"})
     max_draft_positions: int | None = field(default=None, metadata={"help": "padded draft positions (anchors x B) per micro-batch; default: from the memory model on a GPU, no limit on CPU; 0: no limit"})
 
 
@@ -71,7 +73,7 @@ class TrainArgs:
     credits: int = field(default=4, metadata={"help": "split mode: feature requests in flight per drafter/target pair"})
     dist_timeout_minutes: float = field(default=60.0, metadata={"help": "a collective (e.g. waiting while rank 0 tokenizes the data) that waits longer fails"})
     transport_timeout_s: float = field(default=300.0, metadata={"help": "split mode: a peer silent this long ends the run"})
-    epochs: int | None = field(default=None, metadata={"help": "recipe 6, demo 2"})
+    epochs: int | None = field(default=None, metadata={"help": "recipe 6, demo 6"})
     max_steps: int = field(default=-1, metadata={"help": "stop after this many optimizer steps (-1: all epochs)"})
     lr: float = field(default=6e-4, metadata={"help": "peak learning rate (AdamW; with Muon, of the 1-D weights)"})
     optimizer: str = field(default="adamw", metadata={"help": "adamw | muon (DeepSpeed's Muon for the 2-D weights, AdamW for the rest)"})
@@ -108,10 +110,13 @@ class TrainArgs:
     eval_dtype: str = field(default="float32", metadata={"help": "float32 (exact lossless check) | bfloat16"})
 
 
-RECIPE = {"num_draft_layers": 5, "num_target_features": 5, "epochs": 6, "max_anchors": 512, "max_length": 3072,
-          "max_tokens": 8192}
-DEMO = {"num_draft_layers": 1, "num_target_features": 4, "epochs": 2, "max_anchors": 16, "max_length": 512,
-        "max_tokens": 2048}
+RECIPE = {"num_draft_layers": 5, "num_target_features": 5, "block_size": 16, "epochs": 6, "max_anchors": 512,
+          "max_length": 3072, "max_tokens": 8192, "cache_target_features": False}
+# The demo runs on a laptop CPU, where verifying B tokens costs about B times one token's arithmetic
+# (a GPU verifies 16 for the price of one), so it drafts 8. Copying text, as the demo target does,
+# takes a drafter of 3 layers several epochs to learn (BENCHMARKS.md "The demo's drafter").
+DEMO = {"num_draft_layers": 3, "num_target_features": 4, "block_size": 8, "epochs": 6, "max_anchors": 16,
+        "max_length": 512, "max_tokens": 2048, "cache_target_features": True}
 
 
 @dataclass

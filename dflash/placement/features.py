@@ -19,25 +19,62 @@ from dflash.target.frozen import FrozenTarget
 from dflash.util.phases import PhaseClock
 
 
+class FeatureCache:
+    """Each sample's target features from the first time the target computed them, unpadded, on
+    the device that computed them (`--cache-target-features`). A run of several epochs then runs
+    the target once per sample instead of once per epoch: on a CPU, or with a target as small as
+    the drafter, that forward is most of a step. Padding positions come back as zeros: no block
+    attends past its own sequence, so they are never read."""
+
+    def __init__(self) -> None:
+        self._rows: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    def store(self, indices: list[int], lengths: torch.Tensor, features: torch.Tensor,
+              final_hidden: torch.Tensor | None) -> None:
+        for row, (index, length) in enumerate(zip(indices, lengths.tolist())):
+            final = final_hidden[row, :length].clone() if final_hidden is not None else None
+            self._rows[index] = (features[row, :length].clone(), final)
+
+    def lookup(self, indices: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Padded [b, width, F] features (and final hidden states) if every sample is cached."""
+        rows = [self._rows.get(i) for i in indices]
+        if any(r is None for r in rows):
+            return None
+        features = rows[0][0].new_zeros(len(rows), width, rows[0][0].shape[-1])
+        finals = None if rows[0][1] is None else rows[0][1].new_zeros(len(rows), width, rows[0][1].shape[-1])
+        for row, (feature, final) in enumerate(rows):
+            features[row, : len(feature)] = feature
+            if finals is not None:
+                finals[row, : len(final)] = final
+        return features, finals
+
+
 def compute_features(target: FrozenTarget, dataset: TokenDataset, indices: list[int], pad_id: int,
-                     with_final_hidden: bool, clock: PhaseClock | None = None) -> FeatureBatch:
-    """Collate `indices` and run the frozen target over them."""
+                     with_final_hidden: bool, clock: PhaseClock | None = None,
+                     cache: FeatureCache | None = None) -> FeatureBatch:
+    """Collate `indices` and run the frozen target over them (or take them from `cache`)."""
     batch = collate(dataset, indices, pad_id)
     input_ids = batch["input_ids"].to(target.device)
     if clock is not None:
         clock.mark("data")
-    out = target.features(input_ids, with_final_hidden=with_final_hidden)
+    cached = cache.lookup(indices, input_ids.shape[1]) if cache is not None else None
+    if cached is None:
+        out = target.features(input_ids, with_final_hidden=with_final_hidden)
+        cached = out.features, out.final_hidden
+        if cache is not None:
+            cache.store(indices, batch["lengths"], *cached)
     if clock is not None:
         clock.mark("target_forward")
-    return FeatureBatch(input_ids, batch["loss_mask"].to(target.device), out.features, out.final_hidden)
+    return FeatureBatch(input_ids, batch["loss_mask"].to(target.device), *cached)
 
 
 class LocalFeatures:
     """Colocated: the target lives on this rank."""
 
-    def __init__(self, target: FrozenTarget, dataset: TokenDataset, pad_id: int, with_final_hidden: bool):
+    def __init__(self, target: FrozenTarget, dataset: TokenDataset, pad_id: int, with_final_hidden: bool,
+                 cache: FeatureCache | None = None):
         self.target, self.dataset, self.pad_id = target, dataset, pad_id
-        self.with_final_hidden = with_final_hidden
+        self.with_final_hidden, self.cache = with_final_hidden, cache
 
     def batches(self, schedule: Iterator[tuple[int, list[int]]],
                 clock: PhaseClock | None = None) -> Iterator[tuple[int, list[int], FeatureBatch | None]]:
@@ -48,7 +85,7 @@ class LocalFeatures:
                 yield step, indices, None
                 continue
             yield step, indices, compute_features(self.target, self.dataset, indices, self.pad_id,
-                                                  self.with_final_hidden, clock)
+                                                  self.with_final_hidden, clock, self.cache)
 
     def queue_depths(self) -> dict[int, int]:
         return {}

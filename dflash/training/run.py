@@ -11,6 +11,7 @@ sharding) is the drafter ranks alone.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ from dflash.drafter.flops import cost_shapes
 from dflash.drafter.model import drafter_config
 from dflash.drafter.objective import Blocks, LossDenominators, LossOutput
 from dflash.placement.distributed import RankInfo
-from dflash.placement.features import FeatureSource, LocalFeatures, RemoteFeatures, compute_features
+from dflash.placement.features import FeatureCache, FeatureSource, LocalFeatures, RemoteFeatures, compute_features
 from dflash.placement.topology import (Topology, drafter_groups, parse_target_ranks, plan_topology, ranks_per_node,
                                        suggest_target_ranks)
 from dflash.placement.transport import (DrafterClient, FeatureBatch, TargetServer, TransportError, TransportSpec,
@@ -41,6 +42,7 @@ from dflash.training.run_report import RunReport
 from dflash.training.schedules import feature_noise_std
 from dflash.training.shard import prepare_train_shard, train_shard_dir
 from dflash.training.spike import StepTally
+from dflash.util.cli import ConfigError
 from dflash.util.phases import PhaseClock
 
 logger = logging.getLogger(__name__)
@@ -73,6 +75,27 @@ def build_drafter_config(config: RunConfig, tokenizer):
     mask_id = resolve_mask_token_id(tokenizer, target_config, config.model.mask_token_id)
     return drafter_config(target_config, config.model.num_draft_layers, layer_ids, config.model.block_size, mask_id,
                           window=config.model.draft_window)
+
+
+def feature_cache(config: RunConfig, dataset: TokenDataset, spec: TransportSpec, ranks: RankInfo) -> FeatureCache | None:
+    """A FeatureCache for this target rank when --cache-target-features is on and every sample's
+    features fit in half of the memory free on its device (else a clear error, not an OOM later)."""
+    if not config.data.cache_target_features:
+        return None
+    width = spec.feature_dim + (spec.hidden_dim if spec.with_final_hidden else 0)
+    needed = int(dataset.lengths.sum()) * width * spec.feature_dtype.itemsize
+    device = spec.device
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if needed > free // 2:
+        raise ConfigError(f"--cache-target-features: the features of all {len(dataset):,} samples take "
+                          f"{needed / 2**30:.1f} GiB, more than half of the {free / 2**30:.1f} GiB free on rank "
+                          f"{ranks.rank}'s {device.type}; pass --cache-target-features false")
+    if ranks.rank == 0:
+        logger.info("target features cached after their first epoch: up to %.2f GiB", needed / 2**30)
+    return FeatureCache()
 
 
 def settle_target(config: RunConfig, ranks: RankInfo) -> None:
@@ -152,16 +175,17 @@ def train(config: RunConfig, ranks: RankInfo) -> TrainResult:
         if config.model.kernels == "fast" and device.type == "cuda":
             target.compile_pointwise()
     out_dir = Path(config.train.output_dir)
+    cache = feature_cache(config, dataset, spec, ranks) if target is not None else None
     if not topology.is_drafter(ranks.rank):
         server = TargetServer(
             ranks.rank, topology.drafter_ranks, spec,
-            lambda indices: compute_features(target, dataset, indices, pad_id, with_final), pairs,
+            lambda indices: compute_features(target, dataset, indices, pad_id, with_final, cache=cache), pairs,
             on_served=TargetLog(out_dir, ranks.rank, config.train.log_every),
         )
         server.serve()  # until every drafter rank says stop; rank 0's routing report has the counts
         return TrainResult("target", 0, 0.0, out_dir / "drafter", out_dir / "drafter-init", {})
     if topology.colocated:
-        source = LocalFeatures(target, dataset, pad_id, with_final)
+        source = LocalFeatures(target, dataset, pad_id, with_final, cache)
     else:
         client = DrafterClient(ranks.rank, topology.target_ranks, spec, dataset.lengths, pairs, topology.nodes)
         source = RemoteFeatures(client, device)
