@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -146,31 +145,8 @@ def teacher_forced(target: FrozenTarget, drafter: DFlashDrafter,
         acceptance=[float((chain >= j).double().mean()) for j in range(1, block)])
 
 
-@contextmanager
-def one_thread_on_cpu(device: torch.device):
-    """Batch-1 decoding on a CPU runs one thread: its matrix products have 1-16 rows, where a
-    second thread's hand-off costs more than it computes (on a 2-core EPYC, an 8-row x 256 x 256
-    product took 27 us on one thread and 100-120 us on two; one row, the same on both). Greedy and
-    speculative decoding run under the same setting, so the speed-up compares like with like."""
-    if device.type != "cpu":
-        yield
-        return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def evaluate(target: FrozenTarget, drafter: DFlashDrafter, prompts: list[list[int]], max_new_tokens: int,
              eos_ids: set[int], decoder: str = "auto") -> EvalReport:
-    with one_thread_on_cpu(target.device):
-        return _evaluate(target, drafter, prompts, max_new_tokens, eos_ids, decoder)
-
-
-def _evaluate(target: FrozenTarget, drafter: DFlashDrafter, prompts: list[list[int]], max_new_tokens: int,
-              eos_ids: set[int], decoder: str) -> EvalReport:
     drafter = drafter.to(target.device, target.embed_tokens.weight.dtype).eval()
     kind = resolve_decoder(decoder, target)
     block = drafter.block_size

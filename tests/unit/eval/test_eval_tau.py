@@ -123,18 +123,3 @@ def test_a_drafter_that_memorised_its_samples_is_told_apart(tmp_path):
         (first, min(len(ids) - first, 48)) for (ids, _), first in zip(samples, prompt_lengths)]  # cut as held out
     result = probe.measure(drafter)
     assert memorising(result["train_tau"], result["tau"]), result
-
-
-def test_cpu_decoding_runs_one_thread_and_gives_the_rest_back():
-    from dflash.eval.evaluate import one_thread_on_cpu
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        with one_thread_on_cpu(torch.device("cpu")):
-            assert torch.get_num_threads() == 1
-        assert torch.get_num_threads() == 2
-        with one_thread_on_cpu(torch.device("meta")):  # not a CPU: left alone
-            assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(before)
