@@ -42,7 +42,6 @@ from dflash.training.run_report import RunReport
 from dflash.training.schedules import feature_noise_std
 from dflash.training.shard import prepare_train_shard, train_shard_dir
 from dflash.training.spike import StepTally
-from dflash.util.cli import ConfigError
 from dflash.util.phases import PhaseClock
 
 logger = logging.getLogger(__name__)
@@ -79,7 +78,8 @@ def build_drafter_config(config: RunConfig, tokenizer):
 
 def feature_cache(config: RunConfig, dataset: TokenDataset, spec: TransportSpec, ranks: RankInfo) -> FeatureCache | None:
     """A FeatureCache for this target rank when --cache-target-features is on and every sample's
-    features fit in half of the memory free on its device (else a clear error, not an OOM later)."""
+    features fit in half of the memory free on its device; else the run goes on without one (it
+    only saves time) and says so, rather than running out of memory epochs later."""
     if not config.data.cache_target_features:
         return None
     width = spec.feature_dim + (spec.hidden_dim if spec.with_final_hidden else 0)
@@ -90,9 +90,10 @@ def feature_cache(config: RunConfig, dataset: TokenDataset, spec: TransportSpec,
     else:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     if needed > free // 2:
-        raise ConfigError(f"--cache-target-features: the features of all {len(dataset):,} samples take "
-                          f"{needed / 2**30:.1f} GiB, more than half of the {free / 2**30:.1f} GiB free on rank "
-                          f"{ranks.rank}'s {device.type}; pass --cache-target-features false")
+        logger.warning("rank %d: not caching target features (--cache-target-features): all %s samples' take "
+                       "%.1f GiB, more than half of the %.1f GiB free on its %s; every epoch runs the target",
+                       ranks.rank, f"{len(dataset):,}", needed / 2**30, free / 2**30, device.type)
+        return None
     if ranks.rank == 0:
         logger.info("target features cached after their first epoch: up to %.2f GiB", needed / 2**30)
     return FeatureCache()

@@ -47,3 +47,24 @@ def test_cached_features_equal_the_targets_and_skip_its_forward(tmp_path):
     compute_features(target, dataset, [5, 0], 0, with_final_hidden=True, cache=cache)
     assert target.calls == 4
     assert first.features.shape[0] == 3 and second.features.shape[0] == 2
+
+
+def test_a_cache_too_large_for_free_memory_is_skipped_with_a_warning(monkeypatch, caplog):
+    import numpy as np
+    from types import SimpleNamespace
+
+    from dflash.training import run
+
+    config = SimpleNamespace(data=SimpleNamespace(cache_target_features=True))
+    dataset = type("Dataset", (), {"lengths": np.full(1000, 512), "__len__": lambda self: 1000})()
+    spec = SimpleNamespace(feature_dim=1024, hidden_dim=256, with_final_hidden=False, feature_dtype=torch.float32,
+                           device=torch.device("cpu"))
+    ranks = SimpleNamespace(rank=0)
+    pages = {"SC_PAGE_SIZE": 4096, "SC_AVPHYS_PAGES": 2 ** 30 // 4096}  # 1 GiB free; the features need 2 GiB
+    monkeypatch.setattr(run.os, "sysconf", lambda name: pages[name])
+    assert run.feature_cache(config, dataset, spec, ranks) is None
+    assert "not caching target features" in caplog.text and "2.0 GiB" in caplog.text
+    pages["SC_AVPHYS_PAGES"] = 8 * 2 ** 30 // 4096  # 8 GiB free
+    assert isinstance(run.feature_cache(config, dataset, spec, ranks), FeatureCache)
+    config.data.cache_target_features = False
+    assert run.feature_cache(config, dataset, spec, ranks) is None
