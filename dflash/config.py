@@ -36,7 +36,7 @@ class ModelArgs:
     num_draft_layers: int | None = field(default=None, metadata={"help": "drafter layers (recipe 5, demo 3)"})
     target_layer_ids: list[int] | None = field(default=None, metadata={"help": "target layers whose outputs feed the drafter"})
     num_target_features: int | None = field(default=None, metadata={
-        "help": "K, when --target-layer-ids is not given (recipe 5, demo 4: all of the demo target's layers)"})
+        "help": "K, when --target-layer-ids is not given (recipe 5, demo 4)"})
     init_from_target_layers: list[int] | None = field(default=None, metadata={
         "help": "start drafter layer i as a copy of target layer i of this list (one per drafter layer; default: random)"})
     block_size: int | None = field(default=None, metadata={"help": "B, tokens drafted per forward (recipe 16, demo 8)"})
@@ -73,7 +73,7 @@ class TrainArgs:
     credits: int = field(default=4, metadata={"help": "split mode: feature requests in flight per drafter/target pair"})
     dist_timeout_minutes: float = field(default=60.0, metadata={"help": "a collective (e.g. waiting while rank 0 tokenizes the data) that waits longer fails"})
     transport_timeout_s: float = field(default=300.0, metadata={"help": "split mode: a peer silent this long ends the run"})
-    epochs: int | None = field(default=None, metadata={"help": "recipe 6, demo 6"})
+    epochs: int | None = field(default=None, metadata={"help": "recipe 6, demo 4"})
     max_steps: int = field(default=-1, metadata={"help": "stop after this many optimizer steps (-1: all epochs)"})
     lr: float = field(default=6e-4, metadata={"help": "peak learning rate (AdamW; with Muon, of the 1-D weights)"})
     optimizer: str = field(default="adamw", metadata={"help": "adamw | muon (DeepSpeed's Muon for the 2-D weights, AdamW for the rest)"})
@@ -112,10 +112,11 @@ class TrainArgs:
 
 RECIPE = {"num_draft_layers": 5, "num_target_features": 5, "block_size": 16, "epochs": 6, "max_anchors": 512,
           "max_length": 3072, "max_tokens": 8192, "cache_target_features": False}
-# The demo runs on a laptop CPU, where verifying B tokens costs about B times one token's arithmetic
+# The demo runs on a laptop CPU, where verifying B tokens costs more than one token's arithmetic
 # (a GPU verifies 16 for the price of one), so it drafts 8. Copying text, as the demo target does,
-# takes a drafter of 3 layers several epochs to learn (BENCHMARKS.md "The demo's drafter").
-DEMO = {"num_draft_layers": 3, "num_target_features": 4, "block_size": 8, "epochs": 6, "max_anchors": 16,
+# takes a drafter of 3 layers a few epochs to learn; 4 fit the demo's ten minutes (BENCHMARKS.md
+# "The demo's drafter").
+DEMO = {"num_draft_layers": 3, "num_target_features": 4, "block_size": 8, "epochs": 4, "max_anchors": 16,
         "max_length": 512, "max_tokens": 2048, "cache_target_features": True}
 
 

@@ -5,14 +5,15 @@
 #   2. python -m dflash.demo.edit_tasks: COUNT text-editing chats made from their prose paragraphs,
 #      and the prompts of those that step 3 trains on and holds out;
 #   3. python -m dflash.demo.build_target: a tiny Qwen3 and its tokenizer, one pass over those
-#      chats (TARGET_FLAGS: more flags, e.g. width and depth; about 30 min on 2 CPU cores);
+#      chats (TARGET_FLAGS: more flags, e.g. width and depth; 4.5 min on an H200, hours on 2 CPU
+#      cores);
 #   4. python -m dflash.regenerate: the new target answers TRAIN_PROMPTS train prompts and HELDOUT
 #      held-out ones (MAX_NEW tokens), which become the demo's data/train.jsonl and heldout.jsonl;
 #   5. python -m dflash.demo.quality on both, and the target's held-out loss ratio.
 # Everything lands in $RESULTS/${NAME}.tar.gz (target/, data/, the logs); unpack target/ and data/
 # into dflash/demo/ to ship them.
-#   bash launch/demo_chat_assets.sh
-#   SHAREGPT_DIR=runs/sharegpt bash launch/demo_chat_assets.sh   # step 1 made elsewhere
+#   DEVICE=cuda bash launch/demo_chat_assets.sh
+#   SHAREGPT_DIR=runs/sharegpt DEVICE=cuda bash launch/demo_chat_assets.sh   # step 1 made elsewhere
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}

@@ -1,6 +1,6 @@
 """Small embedded assets that let the whole pipeline run end to end on a laptop CPU.
 
-``target/`` holds a tiny Qwen3-architecture causal LM (4 layers, hidden size 256, bfloat16
+``target/`` holds a tiny Qwen3-architecture causal LM (12 layers, hidden size 256, bfloat16
 weights) together with its own byte-level BPE tokenizer and a ChatML chat template. Both were
 trained from scratch, one pass over text-editing chats made from ShareGPT's prose (edit_tasks.py:
 repeat, quote, number the sentences of, ... a passage), so the target answers from its prompt,
