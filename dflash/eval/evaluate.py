@@ -146,7 +146,10 @@ def teacher_forced(target: FrozenTarget, drafter: DFlashDrafter,
 
 
 def evaluate(target: FrozenTarget, drafter: DFlashDrafter, prompts: list[list[int]], max_new_tokens: int,
-             eos_ids: set[int], decoder: str = "auto") -> EvalReport:
+             eos_ids: set[int], decoder: str = "auto", continuations: dict | None = None) -> EvalReport:
+    """Greedy against speculative decoding of each prompt, and the teacher-forced measures on the
+    target's continuations. `continuations`: a dict that keeps those per block size, so that the
+    drafters judged on one target and prompts share them (they take a greedy decode each)."""
     drafter = drafter.to(target.device, target.embed_tokens.weight.dtype).eval()
     kind = resolve_decoder(decoder, target)
     block = drafter.block_size
@@ -157,7 +160,6 @@ def evaluate(target: FrozenTarget, drafter: DFlashDrafter, prompts: list[list[in
     accepted: list[int] = []
     tokens = 0
     diverged = 0
-    sequences = []
     for prompt in prompts:
         plain = decode.greedy(prompt, max_new_tokens, eos_ids)
         spec = decode.speculative(prompt, max_new_tokens, eos_ids)
@@ -168,7 +170,10 @@ def evaluate(target: FrozenTarget, drafter: DFlashDrafter, prompts: list[list[in
         spec_s += spec.seconds
         accepted += spec.accepted
         tokens += len(spec.tokens)
-        sequences.append((prompt, *continuation(decode, prompt, max_new_tokens, eos_ids, block)))
+    continuations = {} if continuations is None else continuations
+    if block not in continuations:
+        continuations[block] = [(p, *continuation(decode, p, max_new_tokens, eos_ids, block)) for p in prompts]
+    sequences = continuations[block]
     accepted_t = torch.tensor(accepted or [0], dtype=torch.float64)
     acceptance = [float((accepted_t >= j).double().mean()) for j in range(1, block)]
     tf = teacher_forced(target, drafter, sequences)
@@ -207,9 +212,9 @@ def evaluate_drafters(
         raise DrafterLoadError(f"drafters {list(drafters)} read different target layers {sorted(layer_ids)}")
     target = FrozenTarget.load(resolve_target(target_path), list(layer_ids.pop()), dtype, device)
     eos = eos_token_ids(tokenizer, target)
-    reports = {}
+    reports, continuations = {}, {}
     for name, drafter in loaded.items():
-        reports[name] = evaluate(target, drafter, prompts, max_new_tokens, eos, decoder)
+        reports[name] = evaluate(target, drafter, prompts, max_new_tokens, eos, decoder, continuations)
         logger.info("eval %s: %s", name, reports[name].summary())
     return reports
 

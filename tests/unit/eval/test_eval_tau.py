@@ -45,11 +45,11 @@ def test_teacher_forced_tau_equals_real_tau_on_the_demo_target():
     layers = default_target_layer_ids(load_target_config(str(DEMO_TARGET_DIR)).num_hidden_layers, 3)
     target = FrozenTarget.load(str(DEMO_TARGET_DIR), layers, torch.float32, torch.device("cpu"))
     torch.manual_seed(0)
-    drafter = DFlashDrafter(drafter_config(target.model.config, 1, layers, 8,
+    drafter = DFlashDrafter(drafter_config(target.model.config, 2, layers, 8,
                                            resolve_mask_token_id(tokenizer, target.model.config, None)))
     step = DrafterStep(drafter, target.embed_tokens, target.lm_head,
                        StepSettings(max_anchors=32, slot_weights=slot_weights(8, 4.0), attention_backend="sdpa"))
-    prompts = [prompt_ids(tokenizer, m) for m in load_chat_jsonl(DEMO_HELDOUT_DATA)[:8]]
+    prompts = [prompt_ids(tokenizer, m) for m in load_chat_jsonl(DEMO_HELDOUT_DATA)[:4]]
     decoder = Decoder(target, None, 512)
     rows = [p + continuation(decoder, p, 48, set(), block_size=8)[0] for p in prompts]
     width = max(map(len, rows))
@@ -106,7 +106,7 @@ def test_a_drafter_that_memorised_its_samples_is_told_apart(tmp_path):
     target = FrozenTarget.load(str(DEMO_TARGET_DIR), layers, torch.float32, torch.device("cpu"))
     dataset = TokenDataset(prepare_dataset(DEMO_TRAIN_DATA, tokenizer, tmp_path / "shard", 256))
     torch.manual_seed(0)
-    drafter = DFlashDrafter(drafter_config(target.model.config, 1, layers, 8,
+    drafter = DFlashDrafter(drafter_config(target.model.config, 2, layers, 8,
                                            resolve_mask_token_id(tokenizer, target.model.config, None)))
     step = DrafterStep(drafter, target.embed_tokens, target.lm_head,
                        StepSettings(max_anchors=32, slot_weights=slot_weights(8, 4.0), attention_backend="sdpa"))
@@ -123,3 +123,27 @@ def test_a_drafter_that_memorised_its_samples_is_told_apart(tmp_path):
         (first, min(len(ids) - first, 48)) for (ids, _), first in zip(samples, prompt_lengths)]  # cut as held out
     result = probe.measure(drafter)
     assert memorising(result["train_tau"], result["tau"]), result
+
+
+def test_drafters_judged_together_share_the_targets_continuations(monkeypatch):
+    """Each drafter's teacher-forced measures come from the target's greedy continuations; two
+    drafters on one target and prompts must decode them once, and get what they get alone."""
+    from conftest import tiny_drafter, tiny_target
+
+    import dflash.eval.evaluate as evaluate_module
+
+    target = tiny_target(dtype=torch.float32)
+    drafters = [tiny_drafter(target, block_size=4, seed=seed).eval() for seed in (1, 2)]
+    prompts = [[5, 9, 13, 7, 21, 3], [11, 4, 8, 30, 2, 6, 17]]
+    alone = [evaluate(target, d, prompts, 12, set()) for d in drafters]
+    calls = []
+    real = evaluate_module.continuation
+    monkeypatch.setattr(evaluate_module, "continuation", lambda *a, **k: calls.append(1) or real(*a, **k))
+    shared: dict = {}
+    together = [evaluate(target, d, prompts, 12, set(), continuations=shared) for d in drafters]
+    assert len(calls) == len(prompts), "the second drafter decoded the continuations again"
+    assert list(shared) == [4]
+    for a, t in zip(alone, together):
+        assert (t.teacher_forced_tau, t.teacher_forced_acc, t.tau) == (a.teacher_forced_tau, a.teacher_forced_acc, a.tau)
+    decoder = Decoder(target, None, 64, "auto")
+    assert shared[4] == [(p, *real(decoder, p, 12, set(), 4)) for p in prompts]
