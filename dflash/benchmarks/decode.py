@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.plain_prompts <= args.num_prompts:
         parser.error(f"--plain-prompts {args.plain_prompts}: use 1..--num-prompts ({args.num_prompts}); the "
                      "plain path's tokens and speed are what the fast path is compared with")
+    if args.draft_layers < 1:
+        parser.error(f"--draft-layers {args.draft_layers}: use 1 or more (the drafter whose cycle is timed)")
     setup_logging(0)
     device = pick_device(args.device, 0)
     tokenizer = load_tokenizer(args.tokenizer or args.target)

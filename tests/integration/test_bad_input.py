@@ -263,6 +263,10 @@ def test_the_decode_benchmark_needs_a_plain_prompt_to_compare_with(capsys, paths
         decode.main(["--target", paths["target"], "--prompts", paths["data"], "--plain-prompts", "0"])
     assert exit_info.value.code == 2
     assert "--plain-prompts 0: use 1..--num-prompts (16)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        decode.main(["--target", paths["target"], "--prompts", paths["data"], "--draft-layers", "0"])
+    assert exit_info.value.code == 2
+    assert "--draft-layers 0: use 1 or more" in capsys.readouterr().err
 
 
 def test_running_out_of_gpu_memory_names_the_flags_that_size_a_step(tiny_setup, tmp_path, capfd, monkeypatch):
