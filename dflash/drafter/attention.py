@@ -14,6 +14,7 @@ which skips the ~85% of tiles that are fully masked.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,27 @@ class BlockLayout:
     context_len: int  # S, number of context key positions (padded)
     block_size: int  # B
     window: int = 0  # W > 0: a block sees only the W context positions before its anchor
+
+
+# Below this many query rows, compiled flex attention switches to its decoding kernel, which has
+# no backward: a training micro-batch with few anchors (one sequence, a short reply) would stop
+# the run with an InductorError. Padding blocks lift the rows to this floor.
+FLEX_MIN_QUERY_ROWS = 128
+
+
+def pad_blocks(layout: BlockLayout, min_query_rows: int) -> BlockLayout:
+    """`layout` with padding blocks (anchor 0, not valid) appended until the blocks hold at least
+    `min_query_rows` query rows; padding blocks attend to their own slots only and are never scored."""
+    b, n = layout.anchors.shape
+    missing = -(-min_query_rows // layout.block_size) - n
+    if missing <= 0:
+        return layout
+    zeros = torch.zeros(b, missing, dtype=layout.anchors.dtype, device=layout.anchors.device)
+    return dataclasses.replace(
+        layout,
+        anchors=torch.cat([layout.anchors, zeros], dim=1),
+        valid=torch.cat([layout.valid, zeros.bool()], dim=1),
+    )
 
 
 def dense_block_mask(layout: BlockLayout) -> torch.Tensor:

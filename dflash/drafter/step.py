@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from dflash.drafter.attention import BlockLayout, build_mask
+from dflash.drafter.attention import FLEX_MIN_QUERY_ROWS, BlockLayout, build_mask, pad_blocks
 from dflash.drafter.model import DFlashDrafter
 from dflash.drafter.objective import (Blocks, LossDenominators, LossOutput, LossTerms, build_blocks, dflash_loss,
                                       sample_anchors)
@@ -46,6 +46,8 @@ class DrafterStep:
 
     def make_blocks(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, layout: BlockLayout) -> Blocks:
         layout = dataclasses.replace(layout, window=self.drafter.window)  # the drafter's own window
+        if self.settings.attention_backend == "flex":
+            layout = pad_blocks(layout, FLEX_MIN_QUERY_ROWS)
         return build_blocks(input_ids, loss_mask, layout, self.drafter.mask_token_id)
 
     def sample_blocks(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, generator: torch.Generator) -> Blocks:

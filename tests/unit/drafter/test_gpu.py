@@ -104,6 +104,31 @@ def test_fast_training_step_matches_the_naive_one(dtype, tol, kl_weight):
         assert torch.equal(fast_correct, naive_correct)
 
 
+def test_fast_training_step_on_a_micro_batch_with_few_anchors():
+    """One sequence with a 6-token reply has 5 anchors: 80 query rows, under the 128 at which
+    compiled flex attention picks its decoding kernel, which has no backward (an InductorError
+    "NoValidChoicesError" before the step padded such micro-batches). Loss and gradients must
+    match the naive step's."""
+    b, s = 1, 200
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 999, (b, s), generator=generator).cuda()
+    loss_mask = torch.zeros(b, s, dtype=torch.bool, device="cuda")
+    loss_mask[0, 190:196] = True
+    features = torch.randn(b, s, 3 * 256, generator=generator).cuda()
+    results = []
+    for kernels in ("fast", "naive"):
+        step = drafter_step_for(kernels, torch.float32)
+        blocks = step.sample_blocks(ids, loss_mask, torch.Generator().manual_seed(1))
+        out = step.loss(blocks, features)
+        out.loss.backward()
+        results.append((out.loss.detach(), {n: p.grad for n, p in step.drafter.named_parameters()}))
+    (fast_loss, fast_grads), (naive_loss, naive_grads) = results
+    torch.testing.assert_close(fast_loss, naive_loss, rtol=1e-4, atol=1e-4)
+    for name, grad in naive_grads.items():
+        scale = grad.abs().max().clamp(min=1e-6)
+        torch.testing.assert_close(fast_grads[name] / scale, grad / scale, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
 def test_compiled_target_features_match_eager(dtype, tol):
     """The fast path compiles the target's MLPs and norms; features and a cached decode step

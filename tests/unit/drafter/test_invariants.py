@@ -204,3 +204,47 @@ def test_a_target_with_rope_per_layer_type_gives_the_drafter_its_full_attention_
     assert config.rope_parameters["rope_theta"] == target.rope_parameters["full_attention"]["rope_theta"]
     drafter = DFlashDrafter(config)
     assert sum(p.numel() for p in drafter.parameters()) > 0
+
+
+def test_padding_blocks_for_flex_change_neither_loss_nor_gradients():
+    """Flex attention pads a micro-batch with few anchors up to its query-row floor (below it the
+    compiled kernel has no backward). The padding must leave the loss, every gradient and the
+    metrics as they were; float64 so that only a real difference shows."""
+    from dflash.drafter.attention import FLEX_MIN_QUERY_ROWS, pad_blocks
+
+    target, step = make_step()
+    step.drafter.double()
+    ids, loss_mask = sequence()
+    features = target.features(ids).features.double()
+    layout = fixed_layout()
+    padded = pad_blocks(layout, FLEX_MIN_QUERY_ROWS)
+    assert padded.anchors.shape[1] * BLOCK >= FLEX_MIN_QUERY_ROWS > layout.anchors.shape[1] * BLOCK
+    assert not padded.valid[:, len(ANCHORS):].any()
+    assert pad_blocks(padded, FLEX_MIN_QUERY_ROWS) is padded
+
+    def loss_and_grads(layout):
+        step.drafter.zero_grad()
+        out = step.loss(step.make_blocks(ids, loss_mask, layout), features)
+        out.loss.backward()
+        return out, {name: p.grad.clone() for name, p in step.drafter.named_parameters() if p.grad is not None}
+
+    plain, plain_grads = loss_and_grads(layout)
+    pad, pad_grads = loss_and_grads(padded)
+    torch.testing.assert_close(pad.loss, plain.loss, rtol=1e-12, atol=1e-12)
+    assert plain_grads.keys() == pad_grads.keys() and plain_grads
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(pad_grads[name], grad, rtol=1e-10, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+    assert torch.equal(pad.slot_count, plain.slot_count) and torch.equal(pad.block_streaks, plain.block_streaks)
+
+
+def test_the_flex_backend_pads_blocks_to_its_query_row_floor():
+    from dflash.drafter.attention import FLEX_MIN_QUERY_ROWS
+
+    _, step = make_step()
+    ids, loss_mask = sequence()
+    step.settings.attention_backend = "flex"
+    blocks = step.make_blocks(ids, loss_mask, fixed_layout())
+    assert blocks.input_ids.shape[1] >= FLEX_MIN_QUERY_ROWS
+    assert not blocks.label_mask[:, len(ANCHORS) * BLOCK:].any()
+    step.settings.attention_backend = "sdpa"
+    assert step.make_blocks(ids, loss_mask, fixed_layout()).input_ids.shape[1] == len(ANCHORS) * BLOCK
