@@ -90,7 +90,7 @@ class TrainArgs:
     dpace_weight: float = field(default=1.0, metadata={"help": "weight of the D-PACE term in --loss ce+dpace"})
     anchors: str = field(default="random", metadata={"help": "random (anchors drawn among response positions) | stride (blocks B apart, an ablation)"})
     zero_features: bool = field(default=False, metadata={"help": "feed the drafter zeros for the target's features (a control for ablations)"})
-    lr_schedule: str = field(default="cosine", metadata={"help": "cosine (warmup, cosine to 0) | wsd (warmup, stable, linear to 0 over the last --decay-ratio)"})
+    lr_schedule: str = field(default="wsd", metadata={"help": "wsd (warmup, stable, linear to 0 over the last --decay-ratio) | cosine (warmup, cosine to 0)"})
     decay_ratio: float = field(default=0.2, metadata={"help": "wsd: share of the steps spent decaying"})
     kl_weight: float = field(default=0.0, metadata={"help": "weight of the KL to the target distribution (0: off)"})
     feature_noise_std: float = field(default=0.0, metadata={"help": "initial std of feature noise, cosine-decayed to 0"})

@@ -9,7 +9,7 @@ as mean and spread.
     python -m dflash.tools.ablations --out runs/abl_real --baseline "" --groups distillation --seeds 0 \
         --extra "--target model.gguf --train-data regen.jsonl --eval-data heldout.jsonl --max-steps 400"
 
-The baseline is `--loss ce` unless --baseline says otherwise ("" for the recipe's own defaults,
+The baseline is `--loss ce --lr-schedule cosine` unless --baseline says otherwise ("" for the recipe's own defaults,
 e.g. on a real target); one --out holds one baseline's runs.
 
 Runs that already wrote eval.json are reused, so an interrupted sweep continues where it
@@ -34,8 +34,9 @@ from dflash.config import REPO_ROOT
 from dflash.util.cli import cli_parser
 
 # Every run starts from these flags (--baseline), so the table stays one baseline as defaults
-# move: the recipe's loss became dpace because of this table, measured against the CE baseline.
-BASELINE = "--loss ce"
+# move: the recipe's loss became dpace and its schedule wsd because of this table, measured
+# against the CE + cosine baseline.
+BASELINE = "--loss ce --lr-schedule cosine"
 # group -> [(variant name, flags after BASELINE)]; the first variant of each group is the baseline.
 GROUPS: dict[str, list[tuple[str, list[str]]]] = {
     "loss": [("ce", []), ("dpace", ["--loss", "dpace"]), ("ce+dpace", ["--loss", "ce+dpace"])],

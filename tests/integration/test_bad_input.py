@@ -62,7 +62,7 @@ def test_missing_data_file(capsys, paths):
     (["--muon-lr", "0.1"], "--muon-lr 0.1: only --optimizer muon uses it"),
     (["--loss", "ce", "--dpace-alpha", "0.7"], "--dpace-alpha 0.7: only --loss dpace or ce+dpace uses it"),
     (["--dpace-weight", "2"], "--dpace-weight 2.0: only --loss ce+dpace uses it"),
-    (["--decay-ratio", "0.3"], "--decay-ratio 0.3: only --lr-schedule wsd uses it"),
+    (["--lr-schedule", "cosine", "--decay-ratio", "0.3"], "--decay-ratio 0.3: only --lr-schedule wsd uses it"),
     (["--anchors", "every"], "--anchors every"),
     (["--draft-window=-1"], "--draft-window -1"),
     (["--optimizer", "sgd"], "--optimizer sgd: use adamw or muon"),
