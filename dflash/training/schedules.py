@@ -17,7 +17,7 @@ class LRSchedule:
     over the rest of the same curve, so the learning rate continues where it was.
     """
 
-    def __init__(self, total_steps: int, warmup_ratio: float, kind: str = "cosine", decay_ratio: float = 0.2):
+    def __init__(self, total_steps: int, warmup_ratio: float, kind: str, decay_ratio: float = 0.2):
         self.total_steps, self.kind = total_steps, kind
         self.warmup = max(1, int(round(total_steps * warmup_ratio)))
         self.decay = max(1, int(round(total_steps * decay_ratio)))

@@ -12,7 +12,7 @@ from dflash.training.schedules import LRSchedule, feature_noise_std, planned_tot
 
 
 def test_lr_warms_up_linearly_then_decays_by_cosine_to_zero():
-    schedule = LRSchedule(total_steps=100, warmup_ratio=0.1)
+    schedule = LRSchedule(total_steps=100, warmup_ratio=0.1, kind="cosine")
     assert schedule.warmup == 10
     assert [schedule(s) for s in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])
     assert schedule(10) == pytest.approx(1.0)
@@ -24,14 +24,14 @@ def test_lr_warms_up_linearly_then_decays_by_cosine_to_zero():
 
 
 def test_rebase_continues_the_curve_and_ends_at_the_new_total():
-    schedule = LRSchedule(total_steps=100, warmup_ratio=0.1)
+    schedule = LRSchedule(total_steps=100, warmup_ratio=0.1, kind="cosine")
     here = schedule(40)
     schedule.rebase(40, 70)  # 60 steps were left, now 30 are: the same curve, walked twice as fast
     assert schedule(40) == pytest.approx(here)
-    assert schedule(55) == pytest.approx(LRSchedule(100, 0.1)(70))
+    assert schedule(55) == pytest.approx(LRSchedule(100, 0.1, "cosine")(70))
     assert schedule.last_step() == 70 and schedule(70) == pytest.approx(0.0, abs=1e-12)
     schedule.rebase(55, 70)  # the same total leaves the curve as it is
-    assert schedule(60) == pytest.approx(LRSchedule(100, 0.1)(80))
+    assert schedule(60) == pytest.approx(LRSchedule(100, 0.1, "cosine")(80))
 
 
 def run_config(epochs: int, max_steps: int = 0):
