@@ -105,10 +105,11 @@ def chain_walk(streaks: list[int], produced: int) -> list[int]:
 def continuation(decoder: Decoder, prompt: list[int], max_new_tokens: int, eos_ids: set[int],
                  block_size: int) -> tuple[list[int], int]:
     """The target's greedy continuation, B-1 tokens past where decoding stops (its last cycle
-    still checks a whole block there), and how many reply tokens decoding keeps."""
-    tokens = decoder.greedy(prompt, max_new_tokens + block_size - 1, eos_ids=set()).tokens
-    kept = next((i + 1 for i, t in enumerate(tokens[:max_new_tokens]) if t in eos_ids), max_new_tokens)
-    return tokens, kept
+    still checks a whole block there), and how many reply tokens decoding keeps. The reply stops
+    at its end of sequence, and the B-1 tokens after it come from a second, short decode: most
+    replies end long before max_new_tokens, and decoding on to it cost 2-3x the reply."""
+    reply = decoder.greedy(prompt, max_new_tokens, eos_ids).tokens
+    return reply + decoder.greedy(prompt + reply, block_size - 1, eos_ids=set()).tokens, len(reply)
 
 
 @torch.no_grad()

@@ -147,3 +147,31 @@ def test_drafters_judged_together_share_the_targets_continuations(monkeypatch):
         assert (t.teacher_forced_tau, t.teacher_forced_acc, t.tau) == (a.teacher_forced_tau, a.teacher_forced_acc, a.tau)
     decoder = Decoder(target, None, 64, "auto")
     assert shared[4] == [(p, *real(decoder, p, 12, set(), 4)) for p in prompts]
+
+
+def test_a_continuation_stops_b_minus_1_tokens_past_the_replys_end(monkeypatch):
+    """The teacher-forced measures need the reply and the B-1 tokens the last cycle checks past it,
+    no more: the target's tokens are those of one long greedy decode (float32), and the decoder
+    makes only reply + B - 1 of them, not max_new_tokens + B - 1."""
+    from conftest import tiny_target
+
+    target = tiny_target(dtype=torch.float32)
+    decoder = Decoder(target, None, 128, "auto")
+    prompt, block = [5, 9, 13, 7, 21, 3], 4
+    long = decoder.greedy(prompt, 40, eos_ids=set()).tokens
+    end = next(i + 1 for i in range(6, 30) if long[i] not in long[:i])  # a token first made at i
+    eos = long[end - 1]  # the reply ends there
+    made = []
+    real_greedy = decoder.greedy
+
+    def counting_greedy(prompt, max_new_tokens, eos_ids):
+        result = real_greedy(prompt, max_new_tokens, eos_ids)
+        made.append(len(result.tokens))
+        return result
+
+    monkeypatch.setattr(decoder, "greedy", counting_greedy)
+    tokens, kept = continuation(decoder, prompt, 32, {eos}, block)
+    assert kept == end and tokens == long[:end + block - 1]
+    assert sum(made) == end + block - 1, made
+    tokens, kept = continuation(decoder, prompt, 32, set(), block)  # no end: max_new_tokens, then B-1
+    assert kept == 32 and tokens == long[:32 + block - 1]
