@@ -583,6 +583,7 @@ def test_data_tools_prepare_the_shard_the_run_reuses_and_report_stats(tmp_path, 
     shipped = len(DEMO_TRAIN_DATA.read_text().splitlines())
     assert f"{shipped} samples read, {shipped} kept" in report and "of them trained on" in report
     assert "steps per epoch with 8 drafter rank(s)" in report
+    assert "trained tokens in repetition loops" in report
     manifest = (out / "data" / "train" / "manifest.json").read_text()
     assert data_main(["prepare", "--output-dir", str(out)]) == 0  # same flags: reused as is
     assert "reusing prepared data" in capsys.readouterr().err
@@ -596,3 +597,24 @@ def test_a_folder_without_tokenizer_files_is_named_as_such(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(DataError, match="holds no tokenizer files"):
         load_tokenizer(tmp_path)
+
+
+def test_repetition_loops_are_counted_over_trained_tokens_only():
+    """A trained token is in a loop when the 8-gram it ends occurred earlier among its sample's
+    trained tokens; the prompt never counts, and the opening share looks at the first tokens only."""
+    import numpy as np
+
+    from dflash.data.__main__ import repeated_ngram_share
+
+    prompt = list(range(10, 20))  # the same tokens as the reply's cycle: must not count
+    cycle = list(range(10, 20))
+    ids = np.array(prompt + cycle * 3 + [7])
+    mask = np.zeros(len(ids), dtype=bool)
+    mask[len(prompt):] = True
+    # 31 trained tokens, 24 windows of 8; window i repeats window i - 10 for i = 10..22: 13 loops
+    assert repeated_ngram_share([(ids, mask)]) == (13 / 31, 13 / 31)
+    assert repeated_ngram_share([(ids, mask)], opening=20) == (13 / 31, 3 / 20)  # windows 10..12 end by token 19
+    fresh = np.arange(100, 140)
+    both = repeated_ngram_share([(ids, mask), (fresh, np.ones(40, dtype=bool))])
+    assert both[0] == 13 / 71
+    assert repeated_ngram_share([(np.arange(5), np.ones(5, dtype=bool))]) == (0.0, 0.0)  # shorter than a window
