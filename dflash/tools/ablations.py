@@ -34,8 +34,8 @@ from dflash.config import REPO_ROOT
 from dflash.util.cli import cli_parser
 
 # Every run starts from these flags (--baseline), so the table stays one baseline as defaults
-# move: the recipe's loss became dpace and its schedule wsd because of this table, measured
-# against the CE + cosine baseline.
+# move: the recipe's loss became dpace and the demo's schedule wsd because of this table,
+# measured against the CE + cosine baseline.
 BASELINE = "--loss ce --lr-schedule cosine"
 # group -> [(variant name, flags after BASELINE)]; the first variant of each group is the baseline.
 GROUPS: dict[str, list[tuple[str, list[str]]]] = {
