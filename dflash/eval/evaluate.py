@@ -103,12 +103,14 @@ def chain_walk(streaks: list[int], produced: int) -> list[int]:
 
 
 def continuation(decoder: Decoder, prompt: list[int], max_new_tokens: int, eos_ids: set[int],
-                 block_size: int) -> tuple[list[int], int]:
+                 block_size: int, reply: list[int] | None = None) -> tuple[list[int], int]:
     """The target's greedy continuation, B-1 tokens past where decoding stops (its last cycle
     still checks a whole block there), and how many reply tokens decoding keeps. The reply stops
-    at its end of sequence, and the B-1 tokens after it come from a second, short decode: most
-    replies end long before max_new_tokens, and decoding on to it cost 2-3x the reply."""
-    reply = decoder.greedy(prompt, max_new_tokens, eos_ids).tokens
+    at its end of sequence (`reply`: that greedy decode, where the caller has it already), and the
+    B-1 tokens after it come from a second, short decode: most replies end long before
+    max_new_tokens, and decoding on to it cost 2-3x the reply."""
+    if reply is None:
+        reply = decoder.greedy(prompt, max_new_tokens, eos_ids).tokens
     return reply + decoder.greedy(prompt + reply, block_size - 1, eos_ids=set()).tokens, len(reply)
 
 
@@ -161,8 +163,10 @@ def evaluate(target: FrozenTarget, drafter: DFlashDrafter, prompts: list[list[in
     accepted: list[int] = []
     tokens = 0
     diverged = 0
+    replies = []
     for prompt in prompts:
         plain = decode.greedy(prompt, max_new_tokens, eos_ids)
+        replies.append(plain.tokens)
         spec = decode.speculative(prompt, max_new_tokens, eos_ids)
         if spec.tokens != plain.tokens:
             diverged += 1
@@ -173,7 +177,8 @@ def evaluate(target: FrozenTarget, drafter: DFlashDrafter, prompts: list[list[in
         tokens += len(spec.tokens)
     continuations = {} if continuations is None else continuations
     if block not in continuations:
-        continuations[block] = [(p, *continuation(decode, p, max_new_tokens, eos_ids, block)) for p in prompts]
+        continuations[block] = [(p, *continuation(decode, p, max_new_tokens, eos_ids, block, reply))
+                                for p, reply in zip(prompts, replies)]
     sequences = continuations[block]
     accepted_t = torch.tensor(accepted or [0], dtype=torch.float64)
     acceptance = [float((accepted_t >= j).double().mean()) for j in range(1, block)]

@@ -9,8 +9,8 @@ as mean and spread.
     python -m dflash.tools.ablations --out runs/abl_real --baseline "" --groups distillation --seeds 0 \
         --extra "--target model.gguf --train-data regen.jsonl --eval-data heldout.jsonl --max-steps 400"
 
-The baseline is `--loss ce --lr-schedule cosine` unless --baseline says otherwise ("" for the recipe's own defaults,
-e.g. on a real target); one --out holds one baseline's runs.
+The baseline is `--loss ce --lr-schedule cosine` unless --baseline says otherwise ("" for the
+recipe's own defaults, e.g. on a real target); one --out holds one baseline's runs.
 
 Runs that already wrote eval.json are reused, so an interrupted sweep continues where it
 stopped. The table goes to <out>/ablations.md and the numbers to <out>/ablations.json.
