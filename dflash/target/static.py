@@ -120,6 +120,20 @@ class StaticTarget:
         self.gate_up = [fused_rows(layer.mlp, "dflash_gate_up", [layer.mlp.gate_proj, layer.mlp.up_proj])
                         for layer in target.layers]
 
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Decode only these rows (indices into the current batch, in this order) from now on,
+        moved to the front of the cache: batched regeneration drops rows whose reply has ended.
+        The batch shrinks, so the CUDA graphs are captured again at the next steps."""
+        kept = len(rows)
+        for layer in range(self.keys.shape[0]):  # one layer at a time: gathering all would double the cache
+            self.keys[layer, :kept] = self.keys[layer, rows]
+            self.values[layer, :kept] = self.values[layer, rows]
+        self.keys, self.values = self.keys[:, :kept], self.values[:, :kept]
+        self.padding = self.padding[rows]
+        self.batch = kept
+        self._inputs.clear()
+        self.graphs = GraphReplays(self.target.device, self.graphs.enabled)
+
     def set_padding(self, padding: list[int]) -> None:
         """Left padding of each row (batched generation); rows see nothing before it."""
         self.padding.copy_(torch.tensor(padding, dtype=torch.long))

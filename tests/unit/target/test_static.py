@@ -74,6 +74,37 @@ def test_batched_generation_sizes_each_cache_to_its_prompts_and_keeps_greedy_tok
     assert replies == {i: greedy_decode(target, p, 8, set()).tokens for i, p in prompts.items()}
 
 
+def test_batched_generation_drops_finished_rows_and_keeps_greedy_tokens(monkeypatch):
+    """Rows whose reply has ended leave the batch (their cache rows move out, the live ones to
+    the front); every reply stays the target's greedy reply up to its first stop token."""
+    import dflash.target.generate as generate
+    from dflash.eval.speculative import greedy_decode
+
+    monkeypatch.setattr(generate, "STOP_CHECK_EVERY", 2)
+    monkeypatch.setattr(generate, "ROW_STEP", 1)
+    target = tiny_target("llama", dtype=torch.float32)
+    prompts = {i: [3 + i, 7, 11 + 2 * i, 5 + i][: 2 + i % 3] for i in range(7)}  # 2-4 tokens: left padding differs
+    free = {i: greedy_decode(target, p, 24, set()).tokens for i, p in prompts.items()}
+    stop_ids = {free[0][3], free[4][9]}
+    expected = {i: tokens[: next((k for k, t in enumerate(tokens) if t in stop_ids), len(tokens))]
+                for i, tokens in free.items()}
+    lengths = sorted(map(len, expected.values()))
+    assert lengths[0] <= 3 < lengths[-1], "the stop tokens must end some replies early and not others"
+    kept = []
+    keep_rows = StaticTarget.keep_rows
+
+    def recording(self, rows):
+        kept.append(len(rows))
+        keep_rows(self, rows)
+
+    monkeypatch.setattr(StaticTarget, "keep_rows", recording)
+    replies = {}
+    for indices, rows in generate.generate_batches(target, prompts, 24, stop_ids, batch_tokens=10_000):
+        replies.update(zip(indices, rows))
+    assert replies == expected
+    assert kept and kept == sorted(kept, reverse=True) and kept[-1] < len(prompts)
+
+
 def test_decode_attention_alternatives_compute_what_the_static_target_calls():
     """dflash.benchmarks.decode_attention times other kernels against StaticTarget's SDPA call;
     they must give the same output (rows that see different numbers of columns)."""
