@@ -74,15 +74,18 @@ def test_batched_generation_sizes_each_cache_to_its_prompts_and_keeps_greedy_tok
     assert replies == {i: greedy_decode(target, p, 8, set()).tokens for i, p in prompts.items()}
 
 
-def test_batched_generation_drops_finished_rows_and_keeps_greedy_tokens(monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_batched_generation_drops_finished_rows_and_keeps_greedy_tokens(device, monkeypatch):
     """Rows whose reply has ended leave the batch (their cache rows move out, the live ones to
-    the front); every reply stays the target's greedy reply up to its first stop token."""
+    the front, CUDA graphs captured again for the smaller batch); every reply stays the target's
+    greedy reply up to its first stop token."""
     import dflash.target.generate as generate
     from dflash.eval.speculative import greedy_decode
 
     monkeypatch.setattr(generate, "STOP_CHECK_EVERY", 2)
     monkeypatch.setattr(generate, "ROW_STEP", 1)
     target = tiny_target("llama", dtype=torch.float32)
+    target.model.to(device)
     prompts = {i: [3 + i, 7, 11 + 2 * i, 5 + i][: 2 + i % 3] for i in range(7)}  # 2-4 tokens: left padding differs
     free = {i: greedy_decode(target, p, 24, set()).tokens for i, p in prompts.items()}
     stop_ids = {free[0][3], free[4][9]}
