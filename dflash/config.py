@@ -90,7 +90,7 @@ class TrainArgs:
     dpace_weight: float = field(default=1.0, metadata={"help": "weight of the D-PACE term in --loss ce+dpace"})
     anchors: str = field(default="random", metadata={"help": "random (anchors drawn among response positions) | stride (blocks B apart, an ablation)"})
     zero_features: bool = field(default=False, metadata={"help": "feed the drafter zeros for the target's features (a control for ablations)"})
-    lr_schedule: str | None = field(default=None, metadata={"help": "cosine (warmup, cosine to 0) | wsd (warmup, stable, linear to 0 over the last --decay-ratio) (recipe cosine, demo wsd)"})
+    lr_schedule: str = field(default="wsd", metadata={"help": "wsd (warmup, stable, linear to 0 over the last --decay-ratio) | cosine (warmup, cosine to 0; the published recipe)"})
     decay_ratio: float = field(default=0.2, metadata={"help": "wsd: share of the steps spent decaying"})
     kl_weight: float = field(default=0.0, metadata={"help": "weight of the KL to the target distribution (0: off)"})
     feature_noise_std: float = field(default=0.0, metadata={"help": "initial std of feature noise, cosine-decayed to 0"})
@@ -111,14 +111,13 @@ class TrainArgs:
 
 
 RECIPE = {"num_draft_layers": 5, "num_target_features": 5, "block_size": 16, "epochs": 6, "max_anchors": 512,
-          "max_length": 3072, "max_tokens": 8192, "cache_target_features": False, "lr_schedule": "cosine"}
+          "max_length": 3072, "max_tokens": 8192, "cache_target_features": False}
 # The demo runs on a laptop CPU, where verifying B tokens costs more than one token's arithmetic
 # (a GPU verifies 16 for the price of one), so it drafts 8. Copying text, as the demo target does,
 # takes a drafter of 3 layers a few epochs to learn; 4 fit the demo's ten minutes (BENCHMARKS.md
-# "The demo's drafter"). WSD keeps the peak rate longer and beat cosine on every seed there
-# ("Ablations on the demo target"); the recipe keeps cosine until a real target says the same.
+# "The demo's drafter").
 DEMO = {"num_draft_layers": 3, "num_target_features": 4, "block_size": 8, "epochs": 4, "max_anchors": 16,
-        "max_length": 512, "max_tokens": 2048, "cache_target_features": True, "lr_schedule": "wsd"}
+        "max_length": 512, "max_tokens": 2048, "cache_target_features": True}
 
 
 @dataclass

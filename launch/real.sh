@@ -15,7 +15,8 @@
 #   EPOCHS=3           training epochs
 #   MASK_ID=16         the drafter's mask token: <empty_output>, a special token SmolLM2 does not
 #                      write in chat (its tokenizer uses every embedding row, so none is spare)
-#   EVAL_PROMPTS=64    held-out prompts decoded at the end (128 new tokens each)
+#   EVAL_PROMPTS=64    held-out prompts decoded at the end
+#   EVAL_NEW=128       new tokens per held-out prompt (the replies trained on run to MAX_NEW)
 #   EXTRA_TRAIN_FLAGS  more train_drafter.py flags, e.g. "--resume" or "--overwrite" for a rerun
 # A rerun reuses $RUN/data/regen.jsonl: delete it to regenerate (after changing SAMPLES or MAX_NEW).
 set -euo pipefail
@@ -65,7 +66,7 @@ train_seconds=$((SECONDS - started))
 
 evaluate() {  # dtype -> $RUN/eval_<dtype>.json; float32 fails (exit 1) when the output is not greedy's
   "$PY" -m dflash.eval --target "$TARGET" --drafter "$RUN/drafter" --prompts "$DATA/heldout.jsonl" \
-    --num-prompts "${EVAL_PROMPTS:-64}" --max-new-tokens 128 --dtype "$1" --output "$RUN/eval_$2.json"
+    --num-prompts "${EVAL_PROMPTS:-64}" --max-new-tokens "${EVAL_NEW:-128}" --dtype "$1" --output "$RUN/eval_$2.json"
 }
 evaluate bfloat16 bf16
 lossless=0

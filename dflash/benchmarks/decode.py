@@ -1,8 +1,9 @@
 """Batch-1 decoding speed of a target, HF's forward (plain) against the static-cache path
-(fast): greedy tokens/s, and the cost of a speculative cycle with an untrained drafter (its
-drafts are all rejected, so this times the machinery, not a drafter; the cycle's cost in greedy
-steps is what a drafter's tau must exceed for a speed-up). Both paths must produce
-the same greedy tokens.
+(fast): greedy tokens/s, and the cost of a speculative cycle with an untrained drafter of the
+recipe's depth (its drafts are all rejected, so this times the machinery, not a drafter; the
+cycle's cost in greedy steps is what a drafter's tau must exceed for a speed-up). Both paths
+must produce the same greedy tokens. On the fast path the cycle's parts are also timed alone
+(`cycle_parts`): what a cycle costs beyond their sum is the host's share.
 
     python -m dflash.benchmarks.decode --target T --prompts heldout.jsonl --output decode.json
     python -m dflash.benchmarks.decode --target dflash/demo/target --prompts dflash/demo/data/heldout.jsonl \
@@ -14,10 +15,12 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
 
+from dflash.config import RECIPE
 from dflash.data.tokenization import load_tokenizer
 from dflash.drafter.model import DFlashDrafter, drafter_config
 from dflash.eval.evaluate import eos_token_ids, load_prompts
@@ -25,7 +28,7 @@ from dflash.eval.speculative import Decoder
 from dflash.target.frozen import FrozenTarget, default_target_layer_ids, load_target_config
 from dflash.target.gguf import resolve_target
 from dflash.util.cli import cli_parser
-from dflash.util.runtime import pick_device, setup_logging
+from dflash.util.runtime import pick_device, setup_logging, synchronize
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +42,8 @@ class DecodeBenchmarkArgs:
     plain_prompts: int = field(default=2, metadata={"help": "prompts for the (slow) plain path"})
     max_new_tokens: int = 128
     block_size: int = 16
-    draft_layers: int = field(default=1, metadata={"help": "the untrained drafter's depth (its cost is the point)"})
+    draft_layers: int = field(default=RECIPE["num_draft_layers"], metadata={
+        "help": "the untrained drafter's depth (its cost is the point)"})
     dtype: str = "bfloat16"
     device: str = "auto"
     output: str | None = None
@@ -57,6 +61,35 @@ def timed(decoder: Decoder, prompts: list[list[int]], max_new_tokens: int, eos: 
         cycles = sum(r.target_forwards for r in results)
         report["ms_per_cycle"] = round(1000 * seconds / max(cycles, 1), 3)
     return report, [r.tokens for r in results]
+
+
+@torch.no_grad()
+def cycle_parts(decoder: Decoder, prompt: list[int], block_size: int, repeats: int = 200) -> dict:
+    """ms per call of each part of a speculative cycle, each replayed `repeats` times in a row
+    after the prompt (the GPU runs them back to back, so this is their device cost): the
+    drafter's proposal, the target's verify of B tokens, the drafter taking B tokens' features,
+    and, for scale, one greedy step."""
+    device = decoder.target.device
+    session, draft = decoder.session, decoder.draft
+    choice, features = session.prefill(torch.tensor([prompt], device=device))
+    draft.extend(features, 0)
+    anchor, token = len(prompt), int(choice[0, -1])
+    verify_ids = torch.full((1, block_size), token, device=device)
+    block_features = session.step(verify_ids, anchor)[1].clone()
+    parts = {"propose": lambda: draft.propose(token, anchor),
+             "verify": lambda: session.step(verify_ids, anchor),
+             "extend": lambda: draft.extend(block_features, anchor),
+             "greedy_step": lambda: session.step(verify_ids[:, :1], anchor)}
+    report = {}
+    for name, run in parts.items():
+        run()  # capture
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            run()
+        synchronize(device)
+        report[f"{name}_ms"] = round(1000 * (time.perf_counter() - start) / repeats, 3)
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,6 +121,11 @@ def main(argv: list[str] | None = None) -> int:
         report[f"{kind}_speculative"], _ = timed(decoder, prompts[:count], args.max_new_tokens, eos, True)
         logger.info("%s: greedy %s | speculative (untrained drafter) %s", kind, report[f"{kind}_greedy"],
                     report[f"{kind}_speculative"])
+    report["fast_cycle_parts"] = cycle_parts(decoder, prompts[0], args.block_size)
+    parts = report["fast_cycle_parts"]
+    report["fast_cycle_parts"]["host_share_ms"] = round(report["fast_speculative"]["ms_per_cycle"] - parts[
+        "propose_ms"] - parts["verify_ms"] - parts["extend_ms"], 3)
+    logger.info("fast cycle parts: %s", report["fast_cycle_parts"])
     report["same_tokens"] = tokens["fast"][: args.plain_prompts] == tokens["plain"]
     report["greedy_speedup"] = round(report["fast_greedy"]["tokens_per_second"]
                                      / report["plain_greedy"]["tokens_per_second"], 2)

@@ -22,14 +22,9 @@ from dflash.target.frozen import FrozenTarget
 from dflash.target.gguf import resolve_target
 from dflash.target.static import StaticTarget
 from dflash.util.cli import cli_parser
-from dflash.util.runtime import pick_device, setup_logging
+from dflash.util.runtime import pick_device, setup_logging, synchronize
 
 logger = logging.getLogger(__name__)
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 @torch.no_grad()

@@ -26,6 +26,7 @@ from dflash.drafter.model import DFlashDrafter, DrafterCache
 from dflash.target.frozen import FrozenTarget
 from dflash.target.graphs import GraphReplays
 from dflash.target.static import StaticTarget, fast_decoding_supported
+from dflash.util.runtime import synchronize
 
 DECODERS = ("auto", "fast", "plain")
 
@@ -39,11 +40,6 @@ class DecodeResult:
     @property
     def target_forwards(self) -> int:
         return len(self.accepted)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _finish(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> list[int]:
@@ -143,20 +139,20 @@ class Decoder:
     @torch.no_grad()
     def greedy(self, prompt: list[int], max_new_tokens: int, eos_ids: set[int]) -> DecodeResult:
         device = self.target.device
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         choice, _ = self._prefill(prompt, max_new_tokens)
         tokens = [int(choice[0, -1])]
         while len(tokens) < max_new_tokens and tokens[-1] not in eos_ids:
             choice, _ = self.session.step(choice[:, -1:], len(prompt) + len(tokens) - 1)
             tokens.append(int(choice[0, -1]))
-        _sync(device)
+        synchronize(device)
         return DecodeResult(tokens=_finish(tokens, max_new_tokens, eos_ids), seconds=time.perf_counter() - start)
 
     @torch.no_grad()
     def speculative(self, prompt: list[int], max_new_tokens: int, eos_ids: set[int]) -> DecodeResult:
         device, block, draft = self.target.device, self.drafter.block_size, self.draft
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         choice, features = self._prefill(prompt, max_new_tokens + block)
         draft.extend(features, 0)
@@ -177,7 +173,7 @@ class Decoder:
             tokens.extend(proposed[:k] + [verified[k]])
             accepted.append(k)
             draft.extend(features, anchor)  # positions past anchor+k stay out of every later draft's view
-        _sync(device)
+        synchronize(device)
         return DecodeResult(
             tokens=_finish(tokens, max_new_tokens, eos_ids), seconds=time.perf_counter() - start, accepted=accepted
         )

@@ -26,3 +26,9 @@ def setup_logging(rank: int) -> None:
         datefmt="%H:%M:%S",
         force=True,
     )
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (timing on a GPU); nothing to wait for elsewhere."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

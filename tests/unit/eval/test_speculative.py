@@ -100,3 +100,18 @@ def test_demo_target_output_equals_greedy():
         assert len(greedy.tokens) > 8
         assert speculative.speculative_decode(target, drafter, prompt, 48, eos).tokens == greedy.tokens
         assert speculative.speculative_decode(target, drafter, prompt, 48, eos, kind="fast").tokens == greedy.tokens
+
+
+def test_the_decode_benchmark_times_each_part_of_a_cycle_and_leaves_the_decoder_exact():
+    """dflash.benchmarks.decode replays the cycle's parts alone on a live decoder: each gets a
+    time, and the decoder goes on giving greedy's tokens afterwards."""
+    from dflash.benchmarks.decode import cycle_parts
+
+    target = tiny_target("llama", dtype=torch.float32)
+    decoder = speculative.Decoder(target, tiny_drafter(target, block_size=4).eval(), 64, "fast")
+    prompt = [5, 17, 3, 44, 9]
+    parts = cycle_parts(decoder, prompt, 4, repeats=3)
+    assert set(parts) == {"propose_ms", "verify_ms", "extend_ms", "greedy_step_ms"}
+    assert min(parts.values()) > 0
+    expected = speculative.greedy_decode(target, prompt, 12, set()).tokens
+    assert decoder.speculative(prompt, 12, set()).tokens == expected
