@@ -115,3 +115,18 @@ def test_the_decode_benchmark_times_each_part_of_a_cycle_and_leaves_the_decoder_
     assert min(parts.values()) > 0
     expected = speculative.greedy_decode(target, prompt, 12, set()).tokens
     assert decoder.speculative(prompt, 12, set()).tokens == expected
+
+
+def test_target_confidence_scores_every_greedy_reply_token():
+    """dflash.benchmarks.target_confidence: one entry per reply token, and the shares grow with
+    the threshold."""
+    from dflash.benchmarks.target_confidence import confidence
+
+    target = tiny_target("llama", dtype=torch.float32)
+    prompts = [[5, 17, 3, 44, 9], [60, 2, 71]]
+    replies = [speculative.greedy_decode(target, p, 10, {7}).tokens for p in prompts]
+    report = confidence(target, prompts, 10, {7})
+    assert report["positions"] == sum(map(len, replies))
+    shares = list(report["share_below"].values())
+    assert shares == sorted(shares) and 0 <= shares[0] and shares[-1] <= 1
+    assert 0 < report["mean_chosen_probability"] <= 1

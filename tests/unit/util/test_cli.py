@@ -13,7 +13,8 @@ import pytest
 import train_drafter
 
 COMMANDS = ["eval.__main__", "regenerate", "data.sharegpt", "tools.ablations", "benchmarks.step", "benchmarks.data",
-            "benchmarks.decode", "benchmarks.e2e", "benchmarks.assets", "benchmarks.checkpoint"]
+            "benchmarks.decode", "benchmarks.e2e", "benchmarks.assets", "benchmarks.checkpoint",
+            "benchmarks.target_confidence"]
 
 
 def help_text(capsys, monkeypatch, main) -> str:
