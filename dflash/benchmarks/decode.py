@@ -49,6 +49,26 @@ class DecodeBenchmarkArgs:
     output: str | None = None
 
 
+def load_for_decoding(target_path: str, tokenizer_path: str | None, prompts_path: str, num_prompts: int,
+                      num_features: int, dtype: str, device: torch.device):
+    """What a decoding benchmark runs on: the target (a GGUF file de-quantized once) reading
+    `num_features` layers, its config, the prompts and the ids that end a reply."""
+    tokenizer = load_tokenizer(tokenizer_path or target_path)
+    path = resolve_target(target_path)
+    prompts = load_prompts(prompts_path, tokenizer, num_prompts)
+    config = load_target_config(path)
+    layers = default_target_layer_ids(config.num_hidden_layers, num_features)
+    target = FrozenTarget.load(path, layers, getattr(torch, dtype), device)
+    return target, config, prompts, eos_token_ids(tokenizer, target)
+
+
+def write_report(report: dict, output: str | None) -> None:
+    print(json.dumps(report))
+    if output:
+        with open(output, "w") as f:
+            json.dump(report, f, indent=2)
+
+
 def timed(decoder: Decoder, prompts: list[list[int]], max_new_tokens: int, eos: set[int], speculative: bool) -> dict:
     run = decoder.speculative if speculative else decoder.greedy
     run(prompts[0], 4, eos)  # warm-up (and, on the fast path, graph captures)
@@ -102,15 +122,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--draft-layers {args.draft_layers}: use 1 or more (the drafter whose cycle is timed)")
     setup_logging(0)
     device = pick_device(args.device, 0)
-    tokenizer = load_tokenizer(args.tokenizer or args.target)
-    args.target = resolve_target(args.target)
-    prompts = load_prompts(args.prompts, tokenizer, args.num_prompts)
-    config = load_target_config(args.target)
-    layers = default_target_layer_ids(config.num_hidden_layers, 5)
-    target = FrozenTarget.load(args.target, layers, getattr(torch, args.dtype), device)
+    target, config, prompts, eos = load_for_decoding(args.target, args.tokenizer, args.prompts, args.num_prompts,
+                                                     RECIPE["num_target_features"], args.dtype, device)
     torch.manual_seed(0)
-    drafter = DFlashDrafter(drafter_config(config, args.draft_layers, layers, args.block_size, 0)).to(device, getattr(torch, args.dtype))
-    eos = eos_token_ids(tokenizer, target)
+    drafter = DFlashDrafter(drafter_config(config, args.draft_layers, target.layer_ids, args.block_size, 0)).to(
+        device, getattr(torch, args.dtype))
     capacity = max(map(len, prompts)) + args.max_new_tokens + args.block_size
     report = {"target": args.target, "dtype": args.dtype, "device": torch.cuda.get_device_name(device)
               if device.type == "cuda" else "cpu", "max_new_tokens": args.max_new_tokens}
@@ -132,10 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     # a drafter speeds decoding up only where its tau exceeds this
     report["cycle_in_greedy_steps"] = round(report["fast_speculative"]["ms_per_cycle"]
                                             * report["fast_greedy"]["tokens_per_second"] / 1000, 2)
-    print(json.dumps(report))
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(report, f, indent=2)
+    write_report(report, args.output)
     return 0
 
 

@@ -8,17 +8,14 @@ drafter's acceptance can reach at those positions.
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass, field
 
 import torch
 
-from dflash.data.tokenization import load_tokenizer
-from dflash.eval.evaluate import eos_token_ids, load_prompts
+from dflash.benchmarks.decode import load_for_decoding, write_report
 from dflash.eval.speculative import Decoder
-from dflash.target.frozen import FrozenTarget, default_target_layer_ids, load_target_config
-from dflash.target.gguf import resolve_target
+from dflash.target.frozen import FrozenTarget
 from dflash.util.cli import cli_parser
 from dflash.util.runtime import pick_device, setup_logging
 
@@ -61,17 +58,9 @@ def confidence(target: FrozenTarget, prompts: list[list[int]], max_new_tokens: i
 def main(argv: list[str] | None = None) -> int:
     (args,) = cli_parser(ConfidenceArgs).parse_args_into_dataclasses(argv)
     setup_logging(0)
-    device = pick_device(args.device, 0)
-    tokenizer = load_tokenizer(args.tokenizer or args.target)
-    path = resolve_target(args.target)
-    prompts = load_prompts(args.prompts, tokenizer, args.num_prompts)
-    layers = default_target_layer_ids(load_target_config(path).num_hidden_layers, 1)
-    target = FrozenTarget.load(path, layers, getattr(torch, args.dtype), device)
-    report = confidence(target, prompts, args.max_new_tokens, eos_token_ids(tokenizer, target))
-    print(json.dumps(report))
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(report, f, indent=2)
+    target, _, prompts, eos = load_for_decoding(args.target, args.tokenizer, args.prompts, args.num_prompts, 1,
+                                                args.dtype, pick_device(args.device, 0))
+    write_report(confidence(target, prompts, args.max_new_tokens, eos), args.output)
     return 0
 
 

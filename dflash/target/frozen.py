@@ -252,46 +252,48 @@ def check_mask_is_not_special(token_id: int, tokenizer, target_config) -> None:
                 "embedding row")
 
 
-def _weights_hint(folder: Path) -> str:
-    """Which weight file is unreadable, when one is: the usual cause is an interrupted copy."""
-    from safetensors import safe_open
-
-    for file in sorted(folder.glob("*.safetensors")):
-        try:
-            with safe_open(str(file), "pt") as f:
-                f.keys()
-        except Exception:
-            return f"{file} is truncated or corrupt: copy it again"
-    return "check that the folder holds a complete HF causal-LM checkpoint"
-
-
-def safetensors_names(folder: Path) -> set[str]:
-    """Every tensor name in a (possibly sharded) safetensors checkpoint."""
-    from safetensors import safe_open
-
-    names: set[str] = set()
-    for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            names |= set(f.keys())
-    return names
-
-
-def read_safetensors(folder: Path, wanted: set[str]) -> dict[str, torch.Tensor]:
-    """The named tensors from a (possibly sharded) safetensors checkpoint."""
+def _each_safetensors_file(folder: Path, visit) -> None:
+    """visit(opened file) for each file of a (possibly sharded) safetensors checkpoint, in name
+    order. A file that fails to open or to read inside `visit` raises a TargetError naming it:
+    the usual cause is an interrupted copy."""
     from safetensors import safe_open
 
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise TargetError(f"--target {folder}: no *.safetensors weights found")
-    found: dict[str, torch.Tensor] = {}
     for file in files:
         try:
             with safe_open(str(file), "pt") as f:
-                for name in wanted & set(f.keys()):
-                    found[name] = f.get_tensor(name)
+                visit(f)
         except Exception as err:  # safetensors' own error type for a truncated or corrupt file
-            raise TargetError(f"--target {folder}: cannot read {file.name} ({err}); the file is truncated or "
-                              "corrupt: copy it again") from err
+            raise TargetError(f"{file} is truncated or corrupt: copy it again ({err})") from err
+
+
+def _weights_hint(folder: Path) -> str:
+    """Which weight file is unreadable, when one is."""
+    try:
+        _each_safetensors_file(folder, lambda f: f.keys())
+    except TargetError as err:
+        return str(err)
+    return "check that the folder holds a complete HF causal-LM checkpoint"
+
+
+def safetensors_names(folder: Path) -> set[str]:
+    """Every tensor name in a (possibly sharded) safetensors checkpoint."""
+    names: set[str] = set()
+    _each_safetensors_file(folder, lambda f: names.update(f.keys()))
+    return names
+
+
+def read_safetensors(folder: Path, wanted: set[str]) -> dict[str, torch.Tensor]:
+    """The named tensors from a (possibly sharded) safetensors checkpoint."""
+    found: dict[str, torch.Tensor] = {}
+
+    def take(f) -> None:
+        for name in wanted & set(f.keys()):
+            found[name] = f.get_tensor(name)
+
+    _each_safetensors_file(folder, take)
     if not found:
         raise TargetError(f"--target {folder}: none of {sorted(wanted)} in its safetensors files")
     return found
