@@ -12,7 +12,8 @@
 #   RUN=runs/real      output: data/ (prompts, regen.jsonl), drafter/, metrics.jsonl, eval_*.json
 #   SAMPLES=0          train prompts to regenerate and train on (0: all, about 25.8K)
 #   MAX_NEW=384        reply tokens the target writes per prompt
-#   EPOCHS=3           training epochs
+#   EPOCHS=2           training epochs
+#   MAX_TOKENS=32768   tokens per micro-batch (a 135M target leaves the GPU idle at the recipe's 8192)
 #   MASK_ID=16         the drafter's mask token: <empty_output>, a special token SmolLM2 does not
 #                      write in chat (its tokenizer uses every embedding row, so none is spare)
 #   EVAL_PROMPTS=64    held-out prompts decoded at the end
@@ -61,7 +62,8 @@ fi
 started=$SECONDS
 # shellcheck disable=SC2086  # EXTRA_TRAIN_FLAGS is a list of flags
 "$PY" train_drafter.py --target "$TARGET" --train-data "$DATA/regen.jsonl" --eval-data "$DATA/heldout.jsonl" \
-  --output-dir "$RUN" --max-length 2048 --epochs "${EPOCHS:-3}" --mask-token-id "${MASK_ID:-16}" ${EXTRA_TRAIN_FLAGS:-}
+  --output-dir "$RUN" --max-length 2048 --epochs "${EPOCHS:-2}" \
+  --max-tokens "${MAX_TOKENS:-32768}" --mask-token-id "${MASK_ID:-16}" ${EXTRA_TRAIN_FLAGS:-}
 train_seconds=$((SECONDS - started))
 
 evaluate() {  # dtype -> $RUN/eval_<dtype>.json; float32 fails (exit 1) when the output is not greedy's
