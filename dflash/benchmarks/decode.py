@@ -22,16 +22,20 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash.config import RECIPE
+from dflash.data.chat_formats import DataError
 from dflash.data.tokenization import load_tokenizer
 from dflash.drafter.model import DFlashDrafter, drafter_config
 from dflash.eval.evaluate import eos_token_ids, load_prompts
 from dflash.eval.speculative import Decoder
-from dflash.target.frozen import FrozenTarget, default_target_layer_ids, load_target_config
+from dflash.target.frozen import FrozenTarget, TargetError, default_target_layer_ids, load_target_config
 from dflash.target.gguf import resolve_target
-from dflash.util.cli import cli_parser
+from dflash.util.cli import cli_parser, user_error
 from dflash.util.runtime import pick_device, setup_logging, synchronize
 
 logger = logging.getLogger(__name__)
+
+# a target or prompts file a decoding benchmark cannot use: one line naming it, exit status 2
+INPUT_ERRORS = (DataError, TargetError)
 
 
 @dataclass
@@ -123,8 +127,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--draft-layers {args.draft_layers}: use 1 or more (the drafter whose cycle is timed)")
     setup_logging(0)
     device = pick_device(args.device, 0)
-    target, config, prompts, eos = load_for_decoding(args.target, args.tokenizer, args.prompts, args.num_prompts,
-                                                     RECIPE["num_target_features"], args.dtype, device)
+    try:
+        target, config, prompts, eos = load_for_decoding(args.target, args.tokenizer, args.prompts, args.num_prompts,
+                                                         RECIPE["num_target_features"], args.dtype, device)
+    except INPUT_ERRORS as err:
+        return user_error(err)
     torch.manual_seed(0)
     drafter = DFlashDrafter(drafter_config(config, args.draft_layers, target.layer_ids, args.block_size, 0)).to(
         device, getattr(torch, args.dtype))

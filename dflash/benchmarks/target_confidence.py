@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflash.benchmarks.decode import load_for_decoding, write_report
+from dflash.benchmarks.decode import INPUT_ERRORS, load_for_decoding, write_report
 from dflash.eval.speculative import Decoder
 from dflash.target.frozen import FrozenTarget
-from dflash.util.cli import cli_parser
+from dflash.util.cli import cli_parser, user_error
 from dflash.util.runtime import pick_device, setup_logging
 
 THRESHOLDS = (0.3, 0.5, 0.7, 0.9)
@@ -40,7 +40,7 @@ def confidence(target: FrozenTarget, prompts: list[list[int]], max_new_tokens: i
     """Over every greedy reply token of `prompts`: the mean probability of the chosen token, the
     share of positions where it is below each of THRESHOLDS, and where it leads the runner-up by
     less than SMALL_MARGIN."""
-    decoder = Decoder(target, None, max(map(len, prompts)) + max_new_tokens)
+    decoder = Decoder(target, None, max(map(len, prompts)) + max_new_tokens, "auto")
     chosen, margins = [], []
     for prompt in prompts:
         reply = decoder.greedy(prompt, max_new_tokens, eos_ids).tokens
@@ -58,8 +58,11 @@ def confidence(target: FrozenTarget, prompts: list[list[int]], max_new_tokens: i
 def main(argv: list[str] | None = None) -> int:
     (args,) = cli_parser(ConfidenceArgs).parse_args_into_dataclasses(argv)
     setup_logging(0)
-    target, _, prompts, eos = load_for_decoding(args.target, args.tokenizer, args.prompts, args.num_prompts, 1,
-                                                args.dtype, pick_device(args.device, 0))
+    try:
+        target, _, prompts, eos = load_for_decoding(args.target, args.tokenizer, args.prompts, args.num_prompts, 1,
+                                                    args.dtype, pick_device(args.device, 0))
+    except INPUT_ERRORS as err:
+        return user_error(err)
     write_report(confidence(target, prompts, args.max_new_tokens, eos), args.output)
     return 0
 

@@ -269,6 +269,17 @@ def test_the_decode_benchmark_needs_a_plain_prompt_to_compare_with(capsys, paths
     assert "--draft-layers 0: use 1 or more" in capsys.readouterr().err
 
 
+def test_the_decoding_benchmarks_name_a_prompts_file_they_cannot_open(capsys, tmp_path):
+    from dflash.benchmarks import decode, target_confidence
+    from dflash.demo import DEMO_TARGET_DIR
+
+    missing = tmp_path / "missing.jsonl"
+    for main in (decode.main, target_confidence.main):
+        assert main(["--target", str(DEMO_TARGET_DIR), "--prompts", str(missing), "--device", "cpu"]) == 2
+        err = capsys.readouterr().err
+        assert f"error: {missing}: cannot open the data file" in err and "Traceback" not in err
+
+
 def test_running_out_of_gpu_memory_names_the_flags_that_size_a_step(tiny_setup, tmp_path, capfd, monkeypatch):
     """An out-of-memory mid-run ends in one line that names the step-sizing flags and how to go on."""
     import dflash.training.run as run
