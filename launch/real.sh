@@ -12,6 +12,8 @@
 #   RUN=runs/real      output: data/ (prompts, regen.jsonl), drafter/, metrics.jsonl, eval_*.json
 #   SAMPLES=0          train prompts to regenerate and train on (0: all, about 25.8K)
 #   MAX_NEW=384        reply tokens the target writes per prompt
+#   BATCH_TOKENS=1048576  regeneration batch: rows x (longest prompt + MAX_NEW); this target's KV
+#                      cache takes 23 KB per token, so 24 GB at the default
 #   EPOCHS=2           training epochs
 #   MAX_TOKENS=32768   tokens per micro-batch (a 135M target leaves the GPU idle at the recipe's 8192)
 #   MASK_ID=16         the drafter's mask token: <empty_output>, a special token SmolLM2 does not
@@ -56,7 +58,7 @@ if [ -f "$DATA/regen.jsonl" ]; then
   echo "reusing $DATA/regen.jsonl (delete it to regenerate)"
 else
   "$PY" -m dflash.regenerate --target "$TARGET" --prompts "$DATA/train_prompts.jsonl" --output "$DATA/regen.jsonl" \
-    --max-new-tokens "${MAX_NEW:-384}" --limit "${SAMPLES:-0}"
+    --max-new-tokens "${MAX_NEW:-384}" --batch-tokens "${BATCH_TOKENS:-1048576}" --limit "${SAMPLES:-0}"
 fi
 
 started=$SECONDS

@@ -49,6 +49,8 @@ class DecodeBenchmarkArgs:
     block_size: int = 16
     draft_layers: int = field(default=RECIPE["num_draft_layers"], metadata={
         "help": "the untrained drafter's depth (its cost is the point)"})
+    compile_drafter: bool = field(default=True, metadata={
+        "help": "compile the drafter's steps on the fast path (as decoding does); False times them eager"})
     dtype: str = "bfloat16"
     device: str = "auto"
     output: str | None = None
@@ -137,10 +139,11 @@ def main(argv: list[str] | None = None) -> int:
         device, getattr(torch, args.dtype))
     capacity = max(map(len, prompts)) + args.max_new_tokens + args.block_size
     report = {"target": args.target, "dtype": args.dtype, "device": torch.cuda.get_device_name(device)
-              if device.type == "cuda" else "cpu", "max_new_tokens": args.max_new_tokens}
+              if device.type == "cuda" else "cpu", "max_new_tokens": args.max_new_tokens,
+              "draft_layers": args.draft_layers, "compile_drafter": args.compile_drafter}
     tokens = {}
     for kind, count in (("plain", args.plain_prompts), ("fast", args.num_prompts)):
-        decoder = Decoder(target, drafter.eval(), capacity, kind)
+        decoder = Decoder(target, drafter.eval(), capacity, kind, args.compile_drafter)
         report[f"{kind}_greedy"], tokens[kind] = timed(decoder, prompts[:count], args.max_new_tokens, eos, False)
         report[f"{kind}_speculative"], _ = timed(decoder, prompts[:count], args.max_new_tokens, eos, True)
         logger.info("%s: greedy %s | speculative (untrained drafter) %s", kind, report[f"{kind}_greedy"],

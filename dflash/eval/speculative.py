@@ -11,7 +11,8 @@ The output equals plain greedy decoding token for token.
 
 Two target paths share this loop: `plain` runs HF's own forward over a DynamicCache (any
 family, cropped after a rejected draft); `fast` runs dflash.target.static (static caches, and
-CUDA graphs on a GPU) for the families it knows. The drafter always decodes over a static cache.
+CUDA graphs on a GPU) for the families it knows. The drafter always decodes over a static cache,
+and on the fast path its steps are compiled.
 """
 
 from __future__ import annotations
@@ -76,11 +77,19 @@ class DraftSession:
     """The drafter's side: its context cache, and the two steps of a cycle (propose a block,
     take the verified block's features), each replayed as a CUDA graph when `graphed`."""
 
-    def __init__(self, target: FrozenTarget, drafter: DFlashDrafter, capacity: int, graphed: bool):
+    def __init__(self, target: FrozenTarget, drafter: DFlashDrafter, capacity: int, graphed: bool,
+                 compiled: bool = True):
         device, dtype = target.device, target.embed_tokens.weight.dtype
         self.target, self.drafter = target, drafter
         self.cache = DrafterCache.allocate(drafter.config, 1, capacity, device, dtype)
         self.graphs = GraphReplays(device, graphed)
+        # Where the steps replay as CUDA graphs they are compiled first: at batch 1 a step is bound
+        # by its kernel count, and Inductor fuses each layer's norms, RoPE, mask and elementwise
+        # work into a few kernels (BENCHMARKS "Real target": the proposal's cost, compiled or not).
+        # Fixed shapes: one Decoder's steps never change shape.
+        compile_step = (lambda step: torch.compile(step, dynamic=False)) if compiled and self.graphs.enabled \
+            else (lambda step: step)
+        self._propose_step, self._extend_step = compile_step(self._propose), compile_step(self._extend_block)
         block = drafter.block_size
         self._block_ids = torch.full((1, block), drafter.mask_token_id, device=device)
         self._offsets = torch.arange(block, device=device)[None]
@@ -96,14 +105,16 @@ class DraftSession:
             self.drafter.extend_context(self.cache, features, positions)
             return
         self._features.copy_(features)
-        self.graphs("extend", lambda: self.drafter.extend_context(self.cache, self._features,
-                                                                  self._anchor + self._offsets))
+        self.graphs("extend", self._extend_step)
+
+    def _extend_block(self) -> None:
+        self.drafter.extend_context(self.cache, self._features, self._anchor + self._offsets)
 
     def propose(self, last_token: int, anchor: int) -> torch.Tensor:
         """The drafter's B-1 greedy guesses for positions anchor+1.. in ONE forward."""
         self._block_ids[0, 0] = last_token
         self._anchor.fill_(anchor)
-        return self.graphs("propose", self._propose)
+        return self.graphs("propose", self._propose_step)
 
     def _propose(self) -> torch.Tensor:
         hidden = self.drafter.draft(self.cache, self.target.embed_tokens(self._block_ids), self._anchor + self._offsets)
@@ -123,12 +134,14 @@ class Decoder:
     """Greedy and speculative decoding of one target (and drafter), reused across prompts:
     caches and CUDA graphs are made once, for sequences of up to `capacity` positions."""
 
-    def __init__(self, target: FrozenTarget, drafter: DFlashDrafter | None, capacity: int, kind: str = "plain"):
+    def __init__(self, target: FrozenTarget, drafter: DFlashDrafter | None, capacity: int, kind: str = "plain",
+                 compile_drafter: bool = True):
         self.target, self.drafter, self.capacity = target, drafter, capacity
         fast = resolve_decoder(kind, target) == "fast"
         # a StaticTarget at batch 1 needs no reset: a new prompt overwrites its cache
         self.session = StaticTarget(target, 1, capacity) if fast else PlainTargetSession(target)
-        self.draft = DraftSession(target, drafter, capacity, graphed=fast) if drafter is not None else None
+        self.draft = DraftSession(target, drafter, capacity, graphed=fast, compiled=compile_drafter) \
+            if drafter is not None else None
 
     def _prefill(self, prompt: list[int], room: int) -> tuple[torch.Tensor, torch.Tensor]:
         if len(prompt) + room > self.capacity:

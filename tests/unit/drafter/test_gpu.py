@@ -192,6 +192,33 @@ def test_fast_decoding_with_cuda_graphs_gives_the_plain_paths_tokens(arch, monke
     assert min(spec.accepted) < 3 == max(spec.accepted)
 
 
+def test_compiled_drafter_steps_write_and_propose_what_the_eager_ones_do():
+    """On the fast path the drafter's two steps are compiled, then captured as CUDA graphs: the
+    context they write and the tokens they propose must be the eager steps' (float32)."""
+    from conftest import tiny_drafter, tiny_target
+    from dflash.eval.speculative import DraftSession
+
+    target = tiny_target("qwen3", dtype=torch.float32)
+    target.model.cuda()
+    drafter = tiny_drafter(target, block_size=4).cuda().eval()
+    compiled = DraftSession(target, drafter, 64, graphed=True, compiled=True)
+    eager = DraftSession(target, drafter, 64, graphed=False, compiled=False)
+    assert hasattr(compiled._propose_step, "_torchdynamo_orig_callable"), "the graphed steps are not compiled"
+    torch.manual_seed(0)
+    features = torch.randn(1, 24, target.hidden_size * len(target.layer_ids), device="cuda")
+    proposals = {}
+    for name, session in (("compiled", compiled), ("eager", eager)):
+        session.extend(features[:, :12], 0)  # a prompt's features: eager on both
+        proposals[name] = [session.propose(7, 12).tolist()]
+        for anchor in (12, 14, 17):  # verified blocks: the compiled, graphed step on one side
+            session.extend(features[:, anchor:anchor + 4], anchor)
+            proposals[name].append(session.propose(int(features[0, anchor, 0] > 0) + 3, anchor + 2).tolist())
+    torch.testing.assert_close(compiled.cache.keys, eager.cache.keys, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(compiled.cache.values, eager.cache.values, rtol=1e-4, atol=1e-5)
+    assert compiled.cache.keys[:, :, :, 12:21].abs().sum() > 0
+    assert proposals["compiled"] == proposals["eager"]
+
+
 def test_sampling_inside_cuda_graphs_draws_fresh_numbers_at_every_replay():
     """Regeneration with --sampling target draws inside the captured step: every row and every
     replay must get new random numbers, and the seed must repeat the run."""
