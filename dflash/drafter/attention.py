@@ -128,6 +128,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Ten
     """q [b, Hq, Q, d], k/v [b, Hkv, K, d]; mask is a dense bool tensor, a BlockMask or None."""
     if mask is None or isinstance(mask, torch.Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    if torch.compiler.is_compiling():
+        # inside a compiled layer flex attention is compiled with it; reading the module global
+        # here would add a guard, and one more compiled variant of every layer
+        from torch.nn.attention.flex_attention import flex_attention
+
+        return flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
     return _flex_attention()(q, k, v, block_mask=mask, enable_gqa=True)
 
 

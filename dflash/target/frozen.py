@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from dflash.util.runtime import allow_compiled_variants
+
 
 class TargetError(ValueError):
     """A target model that cannot be used, with what to do about it."""
@@ -148,6 +150,7 @@ class FrozenTarget:
         """Compile each decoder layer's MLP and RMS norms: eager, their float32 casts and SiLU
         are a large share of the target forward's GPU time. Attention and the KV cache stay
         eager, so decoding over a cache is untouched. Dynamic: every micro-batch has its length."""
+        allow_compiled_variants()
         for layer in self.layers:
             for name, module in layer.named_modules():
                 if name == "mlp" or type(module).__name__.endswith("RMSNorm"):

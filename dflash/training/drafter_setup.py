@@ -32,6 +32,7 @@ from dflash.training.memory import MemoryBudgetError, MemoryShapes, draft_positi
 from dflash.training.schedules import LRSchedule, planned_total_steps
 from dflash.training.spike import SpikeGuard
 from dflash.util.cli import ConfigError
+from dflash.util.runtime import allow_compiled_variants
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +123,7 @@ def build_drafter_run(ctx: RankContext) -> DrafterRun:
         config.train.gamma if config.train.gamma is not None else default_gamma(dcfg.block_size))
     settings = step_settings(config, dcfg, gamma, device)
     if config.model.kernels == "fast" and device.type == "cuda":
+        allow_compiled_variants()
         for layer in engine.module.layers:  # fuses the norms, RoPE and SiLU; shapes vary, so dynamic
             layer.compile(dynamic=True)
     if is_main:

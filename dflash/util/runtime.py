@@ -32,3 +32,17 @@ def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (timing on a GPU); nothing to wait for elsewhere."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+# A training process compiles each drafter layer (and the target's norms and MLPs) with dynamic
+# shapes and still needs several variants of each: gradients on and off (training, the periodic
+# eval), the first layer's input with and without grad, and shapes Inductor specializes (size-1
+# dimensions, size-dependent fusion). On SmolLM2 (`TORCH_LOGS=recompiles`) a drafter layer had 7
+# variants by step 1,000; at PyTorch's default limit of 8 the closing eval then ran flex attention
+# eagerly. Past the limit PyTorch runs the function uncompiled: slow, not wrong.
+COMPILED_VARIANTS = 32
+
+
+def allow_compiled_variants(limit: int = COMPILED_VARIANTS) -> None:
+    """Let each compiled function keep up to `limit` variants (never lowers a higher setting)."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
