@@ -19,7 +19,10 @@
 #   MASK_ID=16         the drafter's mask token: <empty_output>, a special token SmolLM2 does not
 #                      write in chat (its tokenizer uses every embedding row, so none is spare)
 #   EVAL_PROMPTS=64    held-out prompts decoded at the end
-#   EVAL_NEW=128       new tokens per held-out prompt (the replies trained on run to MAX_NEW)
+#   EVAL_NEW=MAX_NEW   new tokens per held-out prompt in the bfloat16 eval (the speed one): as long
+#                      as the replies trained on
+#   LOSSLESS_NEW=128   new tokens per prompt in the float32 eval (identical to greedy, or exit 1);
+#                      float32 decodes slowly, and exactness does not depend on the length
 #   EXTRA_TRAIN_FLAGS  more train_drafter.py flags, e.g. "--resume" or "--overwrite" for a rerun
 # A rerun reuses $RUN/data/regen.jsonl: delete it to regenerate (after changing SAMPLES or MAX_NEW).
 set -euo pipefail
@@ -68,13 +71,13 @@ started=$SECONDS
   --max-tokens "${MAX_TOKENS:-32768}" --mask-token-id "${MASK_ID:-16}" ${EXTRA_TRAIN_FLAGS:-}
 train_seconds=$((SECONDS - started))
 
-evaluate() {  # dtype -> $RUN/eval_<dtype>.json; float32 fails (exit 1) when the output is not greedy's
+evaluate() {  # dtype name new_tokens -> $RUN/eval_<name>.json; float32 fails (exit 1) unless the output is greedy's
   "$PY" -m dflash.eval --target "$TARGET" --drafter "$RUN/drafter" --prompts "$DATA/heldout.jsonl" \
-    --num-prompts "${EVAL_PROMPTS:-64}" --max-new-tokens "${EVAL_NEW:-128}" --dtype "$1" --output "$RUN/eval_$2.json"
+    --num-prompts "${EVAL_PROMPTS:-64}" --max-new-tokens "$3" --dtype "$1" --output "$RUN/eval_$2.json"
 }
-evaluate bfloat16 bf16
+evaluate bfloat16 bf16 "${EVAL_NEW:-${MAX_NEW:-384}}"
 lossless=0
-evaluate float32 fp32 || lossless=$?
+evaluate float32 fp32 "${LOSSLESS_NEW:-128}" || lossless=$?
 
 "$PY" - "$RUN" "$DATA/regen.jsonl" "$train_seconds" <<'EOF'
 import json, sys
@@ -84,7 +87,8 @@ steps = json.loads(open(f"{run}/metrics.jsonl").read().splitlines()[-1])["step"]
 samples = sum(1 for _ in open(regen))
 def per_second(report, kind):  # the report's own figure where dflash.eval writes one
     return report.get(f"{kind}_tokens_per_second", report["tokens"] / report[f"{kind}_seconds"])
-print(f"RESULT bf16: tau {bf16['tau']:.2f}, acceptance by position 1..4 "
+print(f"RESULT bf16 ({bf16['tokens'] / bf16['prompts']:.0f} new tokens per prompt): tau {bf16['tau']:.2f}, "
+      f"acceptance by position 1..4 "
       f"{' '.join(f'{a:.2f}' for a in bf16['acceptance'][:4])}, speedup {bf16['speedup']:.2f}x, "
       f"{per_second(bf16, 'greedy'):.0f} tokens/s greedy -> {per_second(bf16, 'speculative'):.0f} speculative | "
       f"fp32: tau {fp32['tau']:.2f}, speedup {fp32['speedup']:.2f}x, identical to greedy on "
