@@ -137,13 +137,24 @@ class DFlashAttention(nn.Module):
         v = self._heads(self.v_proj(x), self.num_kv_heads)
         return k, v
 
-    def forward(self, block, cos, sin, context_k, context_v, mask) -> torch.Tensor:
+    def forward(self, block, cos, sin, context_k, context_v, mask, columns=None) -> torch.Tensor:
+        """Training: keys/values are the context's followed by the block's, under `mask` from
+        dflash.drafter.attention. Decoding (`columns` given): context_k/v are a DrafterCache
+        layer; the block's keys/values are written into it at `columns` [B] (anchor + k, whose
+        context entries the block may not see, and which the next extend_context rewrites), and
+        the block attends to the whole cache under the additive `mask` [b, 1, group x B, capacity]."""
         q = rotate(self.q_norm(self._heads(self.q_proj(block), self.num_heads)), cos, sin)
         k, v = self.key_values(block, cos, sin)
-        k = torch.cat([context_k, k], dim=2)
-        v = torch.cat([context_v, v], dim=2)
-        out = attend(q, k, v, mask)  # [b, Hq, Q, d]
-        b, _, t, _ = out.shape
+        b, _, t, d = q.shape
+        if columns is None:
+            out = attend(q, torch.cat([context_k, k], dim=2), torch.cat([context_v, v], dim=2), mask)  # [b, Hq, Q, d]
+        else:
+            context_k.index_copy_(2, columns, k)
+            context_v.index_copy_(2, columns, v)
+            # the query heads that share a key/value head are rows of it: no copy of the cache per
+            # head, and SDPA's fused kernels take it (with GQA and a mask it would fall back to math)
+            rows = q.reshape(b, self.num_kv_heads, -1, d)
+            out = F.scaled_dot_product_attention(rows, context_k, context_v, attn_mask=mask).reshape(b, -1, t, d)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -155,8 +166,8 @@ class DFlashLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = Qwen3MLP(config)
 
-    def forward(self, block, cos, sin, context_k, context_v, mask) -> torch.Tensor:
-        block = block + self.self_attn(self.input_layernorm(block), cos, sin, context_k, context_v, mask)
+    def forward(self, block, cos, sin, context_k, context_v, mask, columns=None) -> torch.Tensor:
+        block = block + self.self_attn(self.input_layernorm(block), cos, sin, context_k, context_v, mask, columns)
         return block + self.mlp(self.post_attention_layernorm(block))
 
 
@@ -259,17 +270,21 @@ class DFlashDrafter(nn.Module):
     def draft(self, cache: DrafterCache, block_embeds: torch.Tensor, block_positions: torch.Tensor) -> torch.Tensor:
         """Inference forward of one block per sequence over the cached context: the block sees
         the context columns before its anchor (the last `window` of them with a sliding window)
-        and all of its own slots. block_positions [b, B], anchors first. Returns [b, B, D]."""
-        anchor = block_positions[:, :1, None]  # [b, 1, 1]
-        columns = torch.arange(cache.capacity, device=block_positions.device)
-        sees_context = columns < anchor
+        and all of its own slots, whose keys/values it writes at their positions' columns.
+        block_positions [1, B] (one set for all rows, as in extend_context), anchor first.
+        Returns [b, B, D]."""
+        columns = block_positions[0]
+        anchor = columns[0]
+        cache_columns = torch.arange(cache.capacity, device=columns.device)
+        sees = cache_columns < anchor + len(columns)
         if self.window > 0:
-            sees_context = sees_context & (columns >= anchor - self.window)
-        b, block = block_positions.shape
-        sees_block = torch.ones(b, 1, block, dtype=torch.bool, device=block_positions.device)
-        mask = torch.cat([sees_context.expand(b, block, -1), sees_block.expand(b, block, block)], dim=-1)[:, None]
+            sees = sees & (cache_columns >= anchor - self.window)
+        dtype = self.fc.weight.dtype
+        rows = self.config.num_attention_heads // self.config.num_key_value_heads * len(columns)
+        mask = torch.zeros(cache.capacity, dtype=dtype, device=columns.device).masked_fill_(~sees, float("-inf"))
+        mask = mask.expand(block_embeds.shape[0], 1, rows, -1)  # one additive mask for every layer
         cos, sin = self._cos_sin(block_embeds, block_positions)
-        x = block_embeds.to(self.fc.weight.dtype)
+        x = block_embeds.to(dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.keys[i], cache.values[i], mask)
+            x = layer(x, cos, sin, cache.keys[i], cache.values[i], mask, columns)
         return self.norm(x)

@@ -26,7 +26,7 @@ from transformers import DynamicCache
 from dflash.drafter.model import DFlashDrafter, DrafterCache
 from dflash.target.frozen import FrozenTarget
 from dflash.target.graphs import GraphReplays
-from dflash.target.static import StaticTarget, fast_decoding_supported
+from dflash.target.static import StaticTarget, fast_decoding_supported, round_up
 from dflash.util.runtime import synchronize
 
 DECODERS = ("auto", "fast", "plain")
@@ -81,7 +81,8 @@ class DraftSession:
                  compiled: bool = True):
         device, dtype = target.device, target.embed_tokens.weight.dtype
         self.target, self.drafter = target, drafter
-        self.cache = DrafterCache.allocate(drafter.config, 1, capacity, device, dtype)
+        # aligned mask rows let SDPA take its fused kernels (as in the target's StaticTarget)
+        self.cache = DrafterCache.allocate(drafter.config, 1, round_up(capacity, 16), device, dtype)
         self.graphs = GraphReplays(device, graphed)
         # Where the steps replay as CUDA graphs they are compiled first: at batch 1 a step is bound
         # by its kernel count, and Inductor fuses each layer's norms, RoPE, mask and elementwise
