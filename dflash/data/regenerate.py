@@ -36,6 +36,7 @@ from dflash.data.chat_formats import DataError, load_chat_jsonl
 from dflash.data.tokenization import load_tokenizer, prompt_ids, prompt_messages
 from dflash.target.frozen import FrozenTarget, TargetError, load_target_config
 from dflash.target.generate import generate_batches
+from dflash.target.graphs import GraphReplays
 from dflash.target.gguf import is_model_path, resolve_target
 from dflash.target.sampling import Sampling
 from dflash.target.static import FAST_FAMILIES
@@ -197,6 +198,9 @@ def fast_generate(args: RegenerateArgs, tokenizer, prompts: dict[int, list[int]]
     for batch, replies in generate_batches(target, todo_prompts, args.max_new_tokens, stop_ids, args.batch_tokens,
                                            sampling):
         yield batch, [reply(tokenizer, r) for r in replies]
+    if GraphReplays.captures:
+        logger.info("CUDA graphs: %d captured, %.1f s in all (a batch's step is captured again whenever it "
+                    "changes shape)", GraphReplays.captures, GraphReplays.capture_seconds)
 
 
 def vllm_available() -> bool:

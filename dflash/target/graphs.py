@@ -4,6 +4,7 @@ SmolLM2-135M step: 25 ms on an H200, almost all of it launch overhead)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Hashable
 
 import torch
@@ -16,6 +17,11 @@ class GraphReplays:
     preallocated buffers the caller fills before each call); what it returns is overwritten by
     the next replay of the same key, so callers use or copy it before that."""
 
+    # Every capture in this process, and the seconds they took (warm-up included): batched
+    # regeneration captures again whenever a batch changes shape, and reports what that cost.
+    captures = 0
+    capture_seconds = 0.0
+
     def __init__(self, device: torch.device, enabled: bool = True):
         self.enabled = enabled and device.type == "cuda"
         self._captured: dict[Hashable, tuple[torch.cuda.CUDAGraph, object]] = {}
@@ -24,7 +30,10 @@ class GraphReplays:
         if not self.enabled:
             return step()
         if key not in self._captured:
+            started = time.perf_counter()
             self._captured[key] = self._capture(step)
+            GraphReplays.captures += 1
+            GraphReplays.capture_seconds += time.perf_counter() - started
         graph, outputs = self._captured[key]
         graph.replay()
         return outputs

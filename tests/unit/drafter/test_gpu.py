@@ -162,6 +162,7 @@ def test_fast_decoding_with_cuda_graphs_gives_the_plain_paths_tokens(arch, monke
     import dflash.eval.speculative as speculative
     from conftest import tiny_drafter, tiny_target
     from dflash.target.generate import generate_batches
+    from dflash.target.graphs import GraphReplays
 
     target = tiny_target(arch, dtype=torch.float32)
     target.model.cuda()
@@ -174,9 +175,11 @@ def test_fast_decoding_with_cuda_graphs_gives_the_plain_paths_tokens(arch, monke
         assert decoder.greedy(prompt, 40, set()).tokens == tokens
         assert decoder.speculative(prompt, 40, set()).tokens == tokens
     replies = {}
+    captures = GraphReplays.captures
     for indices, rows in generate_batches(target, dict(enumerate(prompts)), 40, set(), batch_tokens=10_000):
         replies.update(zip(indices, rows))
     assert [replies[i] for i in range(len(prompts))] == plain
+    assert GraphReplays.captures > captures and GraphReplays.capture_seconds > 0  # what regeneration reports
     reference = prompts[1] + plain[1] + [0] * 4
     rng = random.Random(0)
 
