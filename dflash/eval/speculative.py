@@ -27,7 +27,7 @@ from dflash.drafter.model import DFlashDrafter, DrafterCache
 from dflash.target.frozen import FrozenTarget
 from dflash.target.graphs import GraphReplays
 from dflash.target.static import StaticTarget, fast_decoding_supported, round_up
-from dflash.util.runtime import synchronize
+from dflash.util.runtime import allow_compiled_variants, synchronize
 
 DECODERS = ("auto", "fast", "plain")
 
@@ -87,9 +87,12 @@ class DraftSession:
         # Where the steps replay as CUDA graphs they are compiled first: at batch 1 a step is bound
         # by its kernel count, and Inductor fuses each layer's norms, RoPE, mask and elementwise
         # work into a few kernels (BENCHMARKS "Real target": the proposal's cost, compiled or not).
-        # Fixed shapes: one Decoder's steps never change shape.
-        compile_step = (lambda step: torch.compile(step, dynamic=False)) if compiled and self.graphs.enabled \
-            else (lambda step: step)
+        # Fixed shapes: one Decoder's steps never change shape (each Decoder, e.g. one per drafter
+        # judged in one process, adds a variant).
+        compiled = compiled and self.graphs.enabled
+        if compiled:
+            allow_compiled_variants()
+        compile_step = (lambda step: torch.compile(step, dynamic=False)) if compiled else (lambda step: step)
         self._propose_step, self._extend_step = compile_step(self._propose), compile_step(self._extend_block)
         block = drafter.block_size
         self._block_ids = torch.full((1, block), drafter.mask_token_id, device=device)

@@ -39,7 +39,8 @@ def synchronize(device: torch.device) -> None:
 # eval), the first layer's input with and without grad, and shapes Inductor specializes (size-1
 # dimensions, size-dependent fusion). On SmolLM2 (`TORCH_LOGS=recompiles`) a drafter layer had 7
 # variants by step 1,000; at PyTorch's default limit of 8 the closing eval then ran flex attention
-# eagerly. Past the limit PyTorch runs the function uncompiled: slow, not wrong.
+# eagerly. Decoding compiles the drafter's steps once per Decoder (per drafter judged). Past the
+# limit PyTorch runs the function uncompiled: slow, not wrong.
 COMPILED_VARIANTS = 32
 
 
