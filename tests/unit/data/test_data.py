@@ -574,6 +574,33 @@ def test_parallel_preparation_writes_the_same_shard_and_names_bad_lines(tokenize
     assert f"{path}:301: malformed JSON" in (tmp_path / "two" / "bad_samples.txt").read_text()
 
 
+def test_preparation_workers_do_not_run_the_launching_script_again(tokenizer, tmp_path):
+    """Started from a script (as train_drafter.py starts them), the pool's workers must not
+    re-run it: multiprocessing would otherwise import the script's whole world in every worker,
+    one worker after another (133 s on a 16-core host before the first sample)."""
+    import subprocess
+    import sys
+
+    tokenizer.save_pretrained(tmp_path / "tok")
+    records = [chat(("user", f"question {i}"), ("assistant", f"answer {i}")) for i in range(50)]
+    path = write_jsonl(tmp_path / "d.jsonl", records)
+    runs = tmp_path / "runs.txt"
+    script = tmp_path / "launch.py"
+    script.write_text(
+        "import os\n"
+        f"open({str(runs)!r}, 'a').write(f'{{os.getpid()}}\\n')  # once per process that runs this script\n"
+        "from dflash.data.prepare import prepare_dataset\n"
+        "from dflash.data.tokenization import load_tokenizer\n"
+        "if __name__ == '__main__':\n"
+        f"    prepare_dataset({str(path)!r}, load_tokenizer({str(tmp_path / 'tok')!r}), {str(tmp_path / 'shard')!r},"
+        " 64, workers=3)\n"
+        "    assert __file__  # given back to the script once the workers have started\n")
+    subprocess.run([sys.executable, str(script)], check=True, timeout=300,
+                   env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert len(TokenDataset(tmp_path / "shard")) == 50
+    assert len(runs.read_text().split()) == 1, "a preparation worker ran the launching script again"
+
+
 def test_data_tools_prepare_the_shard_the_run_reuses_and_report_stats(tmp_path, capsys):
     from dflash.data.__main__ import main as data_main
 
