@@ -258,8 +258,10 @@ def _main_left_alone():
     """Workers started meanwhile do not run the launching script again. Started from a script
     (train_drafter.py), each worker would first re-run it as its own main module, importing
     torch, DeepSpeed and the rest (1.2-1.8 s of a 2-core CPU per worker, while the pool starts
-    them one after another: 16 workers took 24 s to start here, 133 s on a 16-core GPU host).
-    They need only this module, so the script's path is hidden from them while they start."""
+    them one after another: 16 workers took 24 s to start there, and a 16-core GPU host waited
+    133 s). They need only this module, so the script's path is hidden from them while they
+    start. (The fork server's own `__main__` preload, meant for this, is a no-op on Python 3.11:
+    it reads a key the preparation data does not have.)"""
     main = sys.modules["__main__"]
     path = main.__dict__.pop("__file__", None)
     try:
