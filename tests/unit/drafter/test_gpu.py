@@ -195,7 +195,8 @@ def test_fast_decoding_with_cuda_graphs_gives_the_plain_paths_tokens(arch, monke
     assert min(spec.accepted) < 3 == max(spec.accepted)
 
 
-def test_compiled_drafter_steps_write_and_propose_what_the_eager_ones_do():
+@pytest.mark.parametrize("window", [0, 6], ids=["full", "window6"])
+def test_compiled_drafter_steps_write_and_propose_what_the_eager_ones_do(window):
     """On the fast path the drafter's two steps are compiled, then captured as CUDA graphs: the
     context they write and the tokens they propose must be the eager steps' (float32)."""
     from conftest import tiny_drafter, tiny_target
@@ -203,7 +204,7 @@ def test_compiled_drafter_steps_write_and_propose_what_the_eager_ones_do():
 
     target = tiny_target("qwen3", dtype=torch.float32)
     target.model.cuda()
-    drafter = tiny_drafter(target, block_size=4).cuda().eval()
+    drafter = tiny_drafter(target, block_size=4, window=window).cuda().eval()
     compiled = DraftSession(target, drafter, 64, graphed=True, compiled=True)
     eager = DraftSession(target, drafter, 64, graphed=False, compiled=False)
     assert hasattr(compiled._propose_step, "_torchdynamo_orig_callable"), "the graphed steps are not compiled"
