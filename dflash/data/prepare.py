@@ -236,7 +236,7 @@ def _tokenized_lines(source: Path, tokenizer, options: tuple[int, str], workers:
     if workers <= 1:
         yield (_tokenize_line(item, source, tokenizer, options) for item in iter_lines(source))
         return
-    with _main_left_alone():
+    with _main_left_alone(unless_needed_by=tokenizer):
         pool = _pool_context(tokenizer).Pool(workers, initializer=_init_worker, initargs=(source, tokenizer, options))
     with pool:
         yield pool.imap(_tokenize_in_worker, iter_lines(source), chunksize=64)
@@ -254,7 +254,7 @@ def _pool_context(tokenizer):
 
 
 @contextlib.contextmanager
-def _main_left_alone():
+def _main_left_alone(unless_needed_by: object):
     """Workers started meanwhile do not run the launching script again. Started from a script
     (train_drafter.py), each worker would first re-run it as its own main module, importing
     torch, DeepSpeed and the rest (1.2-1.8 s of a 2-core CPU per worker, while the pool starts
@@ -263,6 +263,9 @@ def _main_left_alone():
     start. (The fork server's own `__main__` preload, meant for this, is a no-op on Python 3.11:
     it reads a key the preparation data does not have.)"""
     main = sys.modules["__main__"]
+    if type(unless_needed_by).__module__ == "__main__":  # a tokenizer class the script defines
+        yield
+        return
     path = main.__dict__.pop("__file__", None)
     try:
         yield

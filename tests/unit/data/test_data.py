@@ -601,6 +601,31 @@ def test_preparation_workers_do_not_run_the_launching_script_again(tokenizer, tm
     assert len(runs.read_text().split()) == 1, "a preparation worker ran the launching script again"
 
 
+def test_a_tokenizer_class_the_launching_script_defines_still_reaches_the_workers(tokenizer, tmp_path):
+    """The exception to the above: workers that must unpickle a class defined in the script run
+    it again (else each fails at its start with a traceback, and only the pool's restart of it,
+    with the script visible again, recovers)."""
+    import subprocess
+    import sys
+
+    tokenizer.save_pretrained(tmp_path / "tok")
+    path = write_jsonl(tmp_path / "d.jsonl", [chat(("user", f"q {i}"), ("assistant", f"a {i}")) for i in range(20)])
+    script = tmp_path / "launch.py"
+    script.write_text(
+        "from dflash.data.prepare import prepare_dataset\n"
+        "from dflash.data.tokenization import load_tokenizer\n"
+        f"base = load_tokenizer({str(tmp_path / 'tok')!r})\n"
+        "class ScriptTokenizer(type(base)):\n"
+        "    pass\n"
+        "if __name__ == '__main__':\n"
+        "    base.__class__ = ScriptTokenizer\n"
+        f"    prepare_dataset({str(path)!r}, base, {str(tmp_path / 'shard')!r}, 64, workers=2)\n")
+    run = subprocess.run([sys.executable, str(script)], check=True, timeout=120, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert len(TokenDataset(tmp_path / "shard")) == 20
+    assert "Traceback" not in run.stderr, run.stderr
+
+
 def test_data_tools_prepare_the_shard_the_run_reuses_and_report_stats(tmp_path, capsys):
     from dflash.data.__main__ import main as data_main
 
