@@ -574,30 +574,36 @@ def test_parallel_preparation_writes_the_same_shard_and_names_bad_lines(tokenize
     assert f"{path}:301: malformed JSON" in (tmp_path / "two" / "bad_samples.txt").read_text()
 
 
-def test_preparation_workers_do_not_run_the_launching_script_again(tokenizer, tmp_path):
-    """Started from a script (as train_drafter.py starts them), the pool's workers must not
-    re-run it: multiprocessing would otherwise import the script's whole world in every worker,
-    one worker after another (133 s on a 16-core host before the first sample)."""
+def prepare_from_a_script(tokenizer, tmp_path: Path, samples: int, top: str, main: str):
+    """Runs `top` + `if __name__ == '__main__':` `main` as a script (`base`: the tokenizer, `data`,
+    `shard`: paths), as train_drafter.py starts a preparation; returns the finished process."""
     import subprocess
     import sys
 
     tokenizer.save_pretrained(tmp_path / "tok")
-    records = [chat(("user", f"question {i}"), ("assistant", f"answer {i}")) for i in range(50)]
-    path = write_jsonl(tmp_path / "d.jsonl", records)
-    runs = tmp_path / "runs.txt"
+    data = write_jsonl(tmp_path / "d.jsonl", [chat(("user", f"q {i}"), ("assistant", f"a {i}")) for i in range(samples)])
     script = tmp_path / "launch.py"
     script.write_text(
-        "import os\n"
-        f"open({str(runs)!r}, 'a').write(f'{{os.getpid()}}\\n')  # once per process that runs this script\n"
         "from dflash.data.prepare import prepare_dataset\n"
         "from dflash.data.tokenization import load_tokenizer\n"
-        "if __name__ == '__main__':\n"
-        f"    prepare_dataset({str(path)!r}, load_tokenizer({str(tmp_path / 'tok')!r}), {str(tmp_path / 'shard')!r},"
-        " 64, workers=3)\n"
-        "    assert __file__  # given back to the script once the workers have started\n")
-    subprocess.run([sys.executable, str(script)], check=True, timeout=300,
-                   env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    assert len(TokenDataset(tmp_path / "shard")) == 50
+        f"base, data, shard = load_tokenizer({str(tmp_path / 'tok')!r}), {str(data)!r}, {str(tmp_path / 'shard')!r}\n"
+        f"{top}\nif __name__ == '__main__':\n{main}\n")
+    run = subprocess.run([sys.executable, str(script)], check=True, timeout=300, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert len(TokenDataset(tmp_path / "shard")) == samples
+    return run
+
+
+def test_preparation_workers_do_not_run_the_launching_script_again(tokenizer, tmp_path):
+    """Started from a script (as train_drafter.py starts them), the pool's workers must not
+    re-run it: multiprocessing would otherwise import the script's whole world in every worker,
+    one worker after another (133 s on a 16-core host before the first sample)."""
+    runs = tmp_path / "runs.txt"
+    prepare_from_a_script(
+        tokenizer, tmp_path, 50,
+        f"import os\nopen({str(runs)!r}, 'a').write(f'{{os.getpid()}}\\n')  # once per process that runs this script",
+        "    prepare_dataset(data, base, shard, 64, workers=3)\n"
+        "    assert __file__  # given back to the script once the workers have started")
     assert len(runs.read_text().split()) == 1, "a preparation worker ran the launching script again"
 
 
@@ -605,24 +611,9 @@ def test_a_tokenizer_class_the_launching_script_defines_still_reaches_the_worker
     """The exception to the above: workers that must unpickle a class defined in the script run
     it again (else each fails at its start with a traceback, and only the pool's restart of it,
     with the script visible again, recovers)."""
-    import subprocess
-    import sys
-
-    tokenizer.save_pretrained(tmp_path / "tok")
-    path = write_jsonl(tmp_path / "d.jsonl", [chat(("user", f"q {i}"), ("assistant", f"a {i}")) for i in range(20)])
-    script = tmp_path / "launch.py"
-    script.write_text(
-        "from dflash.data.prepare import prepare_dataset\n"
-        "from dflash.data.tokenization import load_tokenizer\n"
-        f"base = load_tokenizer({str(tmp_path / 'tok')!r})\n"
-        "class ScriptTokenizer(type(base)):\n"
-        "    pass\n"
-        "if __name__ == '__main__':\n"
-        "    base.__class__ = ScriptTokenizer\n"
-        f"    prepare_dataset({str(path)!r}, base, {str(tmp_path / 'shard')!r}, 64, workers=2)\n")
-    run = subprocess.run([sys.executable, str(script)], check=True, timeout=120, capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    assert len(TokenDataset(tmp_path / "shard")) == 20
+    run = prepare_from_a_script(
+        tokenizer, tmp_path, 20, "class ScriptTokenizer(type(base)):\n    pass",
+        "    base.__class__ = ScriptTokenizer\n    prepare_dataset(data, base, shard, 64, workers=2)")
     assert "Traceback" not in run.stderr, run.stderr
 
 
