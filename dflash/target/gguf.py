@@ -5,7 +5,8 @@ no config.json. transformers reads the file (with the `gguf` package) and de-qua
 floats; `resolve_target` saves that as an ordinary HF folder (config.json, model.safetensors,
 generation_config.json, tokenizer files), so FrozenTarget, split mode's embedding reader and
 vLLM take it unchanged. The folder records the GGUF's size and modification time: a changed
-file is converted again, an unchanged one never. A conversion is built in a hidden staging
+file is converted again, an unchanged one never; a training run's own folder hard-links the
+files of the tools' folder when that one is complete. A conversion is built in a hidden staging
 folder and renamed into place when complete, so a killed one is never reused.
 """
 
@@ -94,7 +95,16 @@ def resolve_target(path: str | Path, cache_dir: str | Path | None = None) -> str
     if source is None:
         return str(path)
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir(source)
-    if not _is_conversion_of(cache, source):
+    if _is_conversion_of(cache, source):
+        return str(cache)
+    shared = default_cache_dir(source)
+    if shared != cache and _is_conversion_of(shared, source):
+        # a run's own folder, while the tools' conversion (regenerate, eval) is already made
+        try:
+            _stage(cache, lambda staging: _link_files(shared, staging), f"linked {shared} into {cache}")
+        except TargetError as err:  # e.g. the shared one was replaced meanwhile: convert instead
+            logger.warning("could not reuse %s (%s); de-quantizing %s again", shared, err, source.name)
+    if not _is_conversion_of(cache, source):  # also where the shared one changed while being linked
         require_gguf_package(source)
         _convert(source, cache)
     return str(cache)
@@ -113,25 +123,45 @@ def _is_conversion_of(cache: Path, source: Path) -> bool:
 
 
 def _convert(source: Path, cache: Path) -> None:
-    """De-quantize `source` into a staging folder, then rename it to `cache` (replacing a stale one)."""
     logger.info("de-quantizing %s into %s (once: later runs reuse it while the file is unchanged)", source, cache)
+
+    def save(staging: Path) -> None:
+        model, tokenizer = _load_dequantized(source)
+        logger.info("%s: %s weights", source.name, model.dtype)
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / SOURCE_RECORD).write_text(json.dumps(_source_record(source)) + "\n")
+
+    _stage(cache, save, f"de-quantized {source.name}")
+
+
+def _link_files(folder: Path, staging: Path) -> None:
+    """Hard links to `folder`'s files (safe: a conversion is replaced by a rename, never rewritten
+    in place), or copies where the two folders are on different filesystems."""
+    for file in folder.iterdir():
+        try:
+            os.link(file, staging / file.name)
+        except OSError:
+            shutil.copy2(file, staging / file.name)
+
+
+def _stage(cache: Path, fill, done: str) -> None:
+    """Build `cache` by fill(staging) in a staging folder, then rename it into place (replacing a
+    stale one), so a killed build is never reused."""
     started = time.perf_counter()
     try:
         staging = staging_dir(cache)
     except OSError as err:
         raise TargetError(str(storage_error(err, cache, "the GGUF file is untouched"))) from err
     try:
-        model, tokenizer = _load_dequantized(source)
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        (staging / SOURCE_RECORD).write_text(json.dumps(_source_record(source)) + "\n")
+        fill(staging)
         _make_readable_like(staging)
         replace_dir(staging, cache)
     except OSError as err:
         raise TargetError(str(storage_error(err, cache, "the GGUF file is untouched"))) from err
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone already after a successful rename
-    logger.info("de-quantized %s in %.1f s (%s)", source.name, time.perf_counter() - started, model.dtype)
+    logger.info("%s in %.1f s", done, time.perf_counter() - started)
 
 
 def _make_readable_like(folder: Path) -> None:

@@ -25,7 +25,7 @@ from conftest import tiny_causal_lm, write_chat_jsonl
 from dflash.data.tokenization import load_tokenizer, prompt_ids
 from dflash.placement.distributed import RankInfo
 from dflash.target.frozen import FrozenTarget, TargetError, load_target_config
-from dflash.target.gguf import default_cache_dir, gguf_file, resolve_target, run_target_dir
+from dflash.target.gguf import SOURCE_RECORD, default_cache_dir, gguf_file, resolve_target, run_target_dir
 from tiny_tokenizer import make_tiny_tokenizer
 
 LAYER_IDS = [1, 4]
@@ -135,6 +135,18 @@ def test_the_conversion_is_reused_until_the_gguf_changes(tmp_path, conversions):
     assert conversions == [path] and weights.stat().st_mtime_ns == written
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # the file was replaced
     resolve_target(path)
+    assert conversions == [path, path]
+
+
+def test_a_run_links_the_conversion_the_tools_made_instead_of_converting_again(tmp_path, conversions):
+    _, path = tiny_gguf(tmp_path)
+    shared = Path(resolve_target(path))  # what regenerate and eval made beside the file
+    run_copy = Path(resolve_target(path, tmp_path / "run" / "target-hf"))
+    assert conversions == [path] and run_copy == tmp_path / "run" / "target-hf"
+    for name in ("model.safetensors", "config.json", SOURCE_RECORD):
+        assert (run_copy / name).read_bytes() == (shared / name).read_bytes()
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # the file was replaced
+    resolve_target(path, tmp_path / "run2" / "target-hf")  # both folders are stale now: a real conversion
     assert conversions == [path, path]
 
 
