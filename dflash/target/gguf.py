@@ -90,7 +90,8 @@ def run_target_dir(output_dir: str | Path) -> Path:
 
 def resolve_target(path: str | Path, cache_dir: str | Path | None = None) -> str:
     """An HF folder for `path`: `path` itself unless it names a GGUF; a GGUF's de-quantized copy in
-    `cache_dir` (default: `default_cache_dir`), converted on the first call and reused after."""
+    `cache_dir` (default: `default_cache_dir`), made on the first call (hard links to a complete
+    conversion in the default folder, else a conversion) and reused after."""
     source = gguf_file(path)
     if source is None:
         return str(path)
