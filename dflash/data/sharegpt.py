@@ -65,6 +65,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash.data.chat_formats import DataError, Messages
+from dflash.data.prompt_filters import mostly_ascii
 from dflash.util.cli import cli_parser, user_error
 from dflash.util.files import write_text_durably
 from dflash.util.runtime import setup_logging
@@ -78,7 +79,6 @@ HELDOUT_FILE = "heldout.jsonl"
 CONVERSATIONS_FILE = "train_conversations.jsonl"
 SPEAKERS = {"human": "user", "gpt": "assistant"}
 MIN_TURN_CHARS = 20
-MIN_ASCII_SHARE = 0.8
 SEPARATORS = re.compile(r"[\s,]*")
 PART_SUFFIX = re.compile(r"_\d+$")
 
@@ -184,7 +184,7 @@ def conversation_problem(record: object) -> str | None:
     if not turns or turns[0]["from"] != "human":
         return NOT_HUMAN_FIRST
     text = "".join(t["value"] for t in turns)
-    if len(text.encode("ascii", "ignore")) < MIN_ASCII_SHARE * len(text):
+    if not mostly_ascii(text):
         return NOT_ASCII
     return None
 
