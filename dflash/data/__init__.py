@@ -8,6 +8,7 @@
   sampler       length-bucketed micro-batches for all data-parallel ranks
   sharegpt      ShareGPT -> prompt-only chat JSONL (python -m dflash.data.sharegpt)
   magpie        prompts the target writes itself (python -m dflash.data.magpie)
+  leetcode      LeetCode problems -> coding prompts (python -m dflash.data.leetcode)
   prompt_filters  mostly-ASCII text, code requests, exact and near-duplicate prompts
   regenerate    the target rewrites the replies (python -m dflash.regenerate)
   __main__      python -m dflash.data prepare|stats (a command: it reads the run's flags, dflash.config)
