@@ -72,6 +72,7 @@ def pool(**overrides) -> PromptPool:
 
 def test_each_filter_drops_what_it_should_and_is_counted():
     held = "Tell me the story of the three little pigs, but set it on Mars and make it funny."
+    near_held = held.replace("it funny", "it very funny")
     prompts = pool(heldout=[held])
     offers = [
         ("Give me three ideas for a birthday party for a seven year old.", True, None),
@@ -79,7 +80,7 @@ def test_each_filter_drops_what_it_should_and_is_counted():
         ("Hi there!", True, SHORT),
         ("Explain photosynthesis. " * 10, True, LONG),
         ("Объясни, пожалуйста, как работает фотосинтез у растений.", True, NOT_ASCII),
-        ("Tell me the story of the three little pigs, but set it on Mars and make it very funny.", True, HELDOUT),
+        (near_held, True, HELDOUT),
         ("  give me THREE ideas for a birthday party, for a seven-year-old!  ", True, EXACT),
         ("Give me three ideas for a birthday party for an eight year old.", True, NEAR),
         ("What are the main causes of the French Revolution?", True, None),
