@@ -131,7 +131,8 @@ def sampled_turns(target: FrozenTarget, headers: dict[int, list[int]], max_new_t
                   batch_tokens: int, sampling: Sampling) -> Iterator[tuple[int, list[int], bool]]:
     """Each row's sampled turn, as the engine finishes them: (the row, its token ids with the stop
     token left out, whether it ended with one)."""
-    for rows, replies in generate_batches(target, headers, max_new_tokens, stop_ids, batch_tokens, sampling):
+    for rows, replies in generate_batches(target, headers, max_new_tokens, stop_ids, batch_tokens=batch_tokens,
+                                          sampling=sampling):
         for row, reply in zip(rows, replies):
             yield row, *turn_of(reply, max_new_tokens, stop_ids)
 
