@@ -23,6 +23,35 @@ CHATML_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
 
+# Qwen3's template in small: an enable_thinking switch whose "off" writes an empty think block
+# after the generation prompt (the default is on), the replies after the last user turn rendered
+# with their think block (empty when they have none), earlier replies without it: so a
+# conversation with two replies renders its first one otherwise once the second follows.
+THINKING_TEMPLATE = (
+    "{%- set ns = namespace(last_query=-1) -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'user' -%}{%- set ns.last_query = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{%- set content = message['content'] -%}"
+    "{%- set answer = content.split('</think>')[-1].lstrip('\\n') -%}"
+    "{%- set think = content.split('</think>')[0].split('<think>')[-1].strip('\\n') if '</think>' in content else '' -%}"
+    "{%- if loop.index0 > ns.last_query -%}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + think + '\\n</think>\\n\\n' + answer + '<|im_end|>\\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>assistant\\n' + answer + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
+    "{%- endif -%}"
+)
+
 # Words that get whole-word tokens, so tokenized text is not just bytes.
 # A leading "Ġ" is the byte-level symbol for a space.
 _MERGED_WORDS = (
@@ -61,4 +90,11 @@ def make_tiny_tokenizer(chat_template: bool = True) -> PreTrainedTokenizerFast:
     )
     if chat_template:
         tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def make_thinking_tokenizer() -> PreTrainedTokenizerFast:
+    """The tiny tokenizer with THINKING_TEMPLATE."""
+    tokenizer = make_tiny_tokenizer()
+    tokenizer.chat_template = THINKING_TEMPLATE
     return tokenizer

@@ -2,6 +2,7 @@
 
   chat_formats  chat JSONL records (OpenAI, ShareGPT, prompt/response) -> template messages
   tokenization  tokenizers, chat-template ids and the loss mask on assistant tokens
+  thinking      the chat template's thinking switch, resolved once (--thinking)
   prepare       a tokenized shard directory, in parallel, with progress
   shards        the shard's files and manifest
   dataset       TokenDataset and collate

@@ -8,6 +8,9 @@ ignored. Errors name the file:line and the turn.
 
 load_chat_jsonl reads a JSONL file of such records (gzip too), each line validated with
 file:line errors (prompt-only ones too, for regeneration and evaluation: require_reply=False).
+parse_sample also reads what `python -m dflash.regenerate` recorded about the final reply
+(`target_reply`: the token ids the target emitted, why it stopped, the thinking mode), which
+training uses in place of the reply's text.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import gzip
 import json
 import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +31,8 @@ TURN_LISTS = ("messages", "conversations")  # OpenAI, ShareGPT
 # vLLM joins a message's text parts with a newline for templates that take string content
 # (those of text models), so that is how the target saw them.
 TEXT_PART_SEPARATOR = "\n"
+FINISH_REASONS = ("stop", "length")  # the stop token was emitted | cut at --max-new-tokens
+THINKING_MODES = ("on", "off", "none")  # "none": the chat template has no thinking switch
 
 
 class DataError(ValueError):
@@ -237,6 +243,49 @@ def iter_lines(path: Path) -> Iterator[tuple[int, bytes]]:
 def parse_line(raw: bytes, where: str, require_reply: bool = True) -> Messages:
     """One JSONL line -> messages; raises SampleError naming `where`."""
     return parse_record(_parse_json(_decode_line(raw, where), where), where, require_reply)
+
+
+@dataclass(frozen=True)
+class TargetReply:
+    """What regeneration recorded about a record's final reply; a field it did not record is None.
+
+    token_ids: exactly the ids the target emitted, its stop token included when finish_reason is
+    "stop"; thinking: the mode its prompt was rendered in (THINKING_MODES)."""
+
+    token_ids: list[int] | None = None
+    finish_reason: str | None = None
+    thinking: str | None = None
+
+    @property
+    def cut(self) -> bool:
+        """Cut at the length limit: the target had not finished, so no end-of-turn follows."""
+        return self.finish_reason == "length"
+
+
+def parse_sample(raw: bytes, where: str) -> tuple[Messages, TargetReply | None]:
+    """One training line -> (messages, its `target_reply` or None); raises SampleError naming `where`."""
+    record = _parse_json(_decode_line(raw, where), where)
+    messages = parse_record(record, where)
+    return messages, _target_reply(record.get("target_reply"), f"{where}: target_reply")
+
+
+def _target_reply(value: Any, where: str) -> TargetReply | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise SampleError(f"{where} must be an object, got {type(value).__name__}", "bad target_reply")
+    ids, reason, thinking = (value.get(key) for key in ("token_ids", "finish_reason", "thinking"))
+    if ids is not None and (not isinstance(ids, list) or not ids
+                            or not all(type(i) is int and i >= 0 for i in ids)):
+        raise SampleError(f"{where}.token_ids must be a non-empty list of token ids (integers >= 0)",
+                          "bad target_reply")
+    if reason is not None and reason not in FINISH_REASONS:
+        raise SampleError(f"{where}.finish_reason {reason!r}: expected one of {list(FINISH_REASONS)}",
+                          "bad target_reply")
+    if thinking is not None and thinking not in THINKING_MODES:
+        raise SampleError(f"{where}.thinking {thinking!r}: expected one of {list(THINKING_MODES)}",
+                          "bad target_reply")
+    return TargetReply(ids, reason, thinking)
 
 
 def _decode_line(raw: bytes, where: str) -> str:

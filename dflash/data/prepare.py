@@ -1,8 +1,9 @@
 """Chat JSONL -> a tokenized shard directory, in parallel, with progress: prepare_dataset.
 
 Reused when up to date (same source, tokenizer and settings); written to a staging folder and
-renamed into place; bad samples skipped (listed in the shard's bad_samples.txt) or fatal; files
-of 8 MB and more tokenized by a spawned process pool, in file order, so the shard is the same.
+renamed into place; bad samples skipped (listed in the shard's bad_samples.txt) or fatal; replies
+cut at the regeneration's length limit kept (never closed by an end-of-turn token) or dropped;
+files of 8 MB and more tokenized by a spawned process pool, in file order, so the shard is the same.
 Reading a shard: dflash/data/dataset.py; its files and manifest: dflash/data/shards.py.
 """
 
@@ -17,15 +18,18 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dflash.data.chat_formats import DataError, SampleError, iter_lines, parse_line
+from dflash.data.chat_formats import THINKING_MODES, DataError, SampleError, iter_lines, parse_sample
 from dflash.data.shards import (BAD_SAMPLES_FILE, FORMAT_VERSION, IDS_FILE, LOSS_MASK_FILE, MANIFEST, PrepareStats,
                                 check_data_files, read_manifest, write_index_and_manifest)
-from dflash.data.tokenization import LOSS_TURNS, MAX_CHARS_PER_TOKEN, require_chat_template, tokenize_conversation
+from dflash.data.thinking import mismatch_error
+from dflash.data.tokenization import (LOSS_TURNS, MAX_CHARS_PER_TOKEN, TokenSequence, conversation_sequences,
+                                     require_chat_template)
 from dflash.util.files import replace_dir, staging_dir
 
 if TYPE_CHECKING:
@@ -36,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 OVERFLOW_POLICIES = ("truncate", "drop")
 BAD_SAMPLE_POLICIES = ("skip", "error")
+CUT_REPLY_POLICIES = ("keep", "drop")  # replies whose target_reply.finish_reason is "length"
+DEFAULT_CUT_REPLIES = "keep"
 
 PARALLEL_FROM_BYTES = 8 * 2**20  # smaller files are tokenized in one process
 MAX_PREPARE_WORKERS = 16  # past this, starting the spawned workers costs more than they save
@@ -52,16 +58,20 @@ def prepare_dataset(
     max_bad_fraction: float = 0.01,
     workers: int = 0,
     loss_turns: str = "last",
+    thinking: str = "none",
+    cut_replies: str = DEFAULT_CUT_REPLIES,
 ) -> Path:
     """Tokenize a chat JSONL file into a shard directory and return its path (`workers`
-    processes; 0: `default_prepare_workers`).
+    processes; 0: `default_prepare_workers`), prompts rendered in the resolved `thinking` mode
+    (dflash/data/thinking.py): a record whose target_reply.thinking differs stops it.
 
     A shard that is already up to date for this source file, tokenizer and
     settings is reused. The shard is written to a temporary directory and
     renamed into place, so an interrupted run never leaves a valid-looking one.
     Bad samples stop the preparation (`on_bad_sample="error"`) or are skipped, counted by
     reason and listed with file:line in <shard>/bad_samples.txt, up to `max_bad_fraction`
-    of the samples read.
+    of the samples read. Replies cut at the length limit (target_reply.finish_reason "length") are
+    kept without an end-of-turn token, or dropped (`cut_replies="drop"`), and counted.
     """
     if overflow not in OVERFLOW_POLICIES:
         raise DataError(f"--overflow must be one of {list(OVERFLOW_POLICIES)}, got {overflow!r}")
@@ -71,6 +81,10 @@ def prepare_dataset(
         raise DataError(f"--max-length must be a positive number of tokens, got {max_length}")
     if loss_turns not in LOSS_TURNS:
         raise DataError(f"--loss-turns must be one of {list(LOSS_TURNS)}, got {loss_turns!r}")
+    if thinking not in THINKING_MODES:
+        raise DataError(f"thinking must be a resolved mode, one of {list(THINKING_MODES)}, got {thinking!r}")
+    if cut_replies not in CUT_REPLY_POLICIES:
+        raise DataError(f"--cut-replies must be one of {list(CUT_REPLY_POLICIES)}, got {cut_replies!r}")
     require_chat_template(tokenizer)
     source, out = Path(jsonl_path), Path(out_dir)
     settings = {
@@ -80,6 +94,8 @@ def prepare_dataset(
         "on_bad_sample": on_bad_sample,
         "max_bad_fraction": max_bad_fraction,
         "loss_turns": loss_turns,
+        "thinking": thinking,
+        "cut_replies": cut_replies,
         "source": _source_identity(source),
         "tokenizer": _tokenizer_identity(tokenizer),
     }
@@ -91,8 +107,9 @@ def prepare_dataset(
     try:
         workers = workers or default_prepare_workers(source)
         started = time.perf_counter()
+        options = LineOptions(max_length * MAX_CHARS_PER_TOKEN, loss_turns, thinking, cut_replies)
         stats, lengths = _write_token_files(staging, source, tokenizer, max_length, overflow,
-                                            on_bad_sample, max_bad_fraction, workers, loss_turns)
+                                            on_bad_sample, max_bad_fraction, workers, options)
         seconds = time.perf_counter() - started
         logger.info("tokenized %d samples in %.1f s (%.0f samples/s, %d process%s)", stats.samples_read, seconds,
                     stats.samples_read / max(seconds, 1e-9), workers, "es" if workers > 1 else "")
@@ -147,6 +164,24 @@ def _check_replaceable(out: Path) -> None:
                         "choose another output directory or remove it")
 
 
+@dataclass(frozen=True)
+class LineOptions:
+    """How every line is tokenized (conversation_sequences' settings), sent once to each worker."""
+
+    max_chars: int
+    loss_turns: str
+    thinking: str
+    cut_replies: str
+
+
+@dataclass
+class _Line:
+    """One line's training sequences (none: a cut reply dropped), and whether its reply was cut."""
+
+    sequences: list[TokenSequence]
+    cut: bool
+
+
 def _write_token_files(
     staging: Path,
     source: Path,
@@ -155,15 +190,15 @@ def _write_token_files(
     overflow: str,
     on_bad_sample: str,
     max_bad_fraction: float,
-    workers: int = 1,
-    loss_turns: str = "last",
+    workers: int,
+    options: LineOptions,
 ) -> tuple[PrepareStats, list[int]]:
-    """Stream every kept sample into ids.bin / loss_mask.bin; return stats and sample lengths.
+    """Stream every kept sequence into ids.bin / loss_mask.bin; return stats and sequence lengths.
     Lines are tokenized by `workers` processes (in file order, so the shard is the same)."""
     stats, lengths, bad = PrepareStats(), [], []
     progress = _Progress(source)
     with (staging / IDS_FILE).open("wb") as ids_file, (staging / LOSS_MASK_FILE).open("wb") as mask_file, \
-            _tokenized_lines(source, tokenizer, (max_length * MAX_CHARS_PER_TOKEN, loss_turns), workers) as results:
+            _tokenized_lines(source, tokenizer, options, workers) as results:
         for result in results:
             stats.samples_read += 1
             progress.update(stats.samples_read)
@@ -173,46 +208,57 @@ def _write_token_files(
                 bad.append((result.reason, str(result)))
                 stats.bad_reasons[result.reason] = stats.bad_reasons.get(result.reason, 0) + 1
                 continue
-            ids, mask = result
-            truncated = len(ids) > max_length
-            if truncated and overflow == "drop":
-                stats.samples_dropped += 1
-                continue
-            ids, mask = ids[:max_length], mask[:max_length]
-            if not mask.any():
-                stats.samples_dropped += 1
-                continue
-            stats.samples_truncated += int(truncated)
-            stats.samples_kept += 1
-            stats.num_tokens += len(ids)
-            stats.num_loss_tokens += int(mask.sum())
-            lengths.append(len(ids))
-            ids.tofile(ids_file)
-            mask.astype(np.uint8).tofile(mask_file)
+            stats.samples_cut += int(result.cut)
+            stats.samples_cut_dropped += int(result.cut and not result.sequences)
+            stats.samples_split_by_turn += int(len(result.sequences) > 1)
+            for ids, mask in result.sequences:
+                truncated = len(ids) > max_length
+                ids, mask = ids[:max_length], mask[:max_length]
+                if (truncated and overflow == "drop") or not mask.any():
+                    stats.samples_dropped += 1
+                    continue
+                stats.samples_truncated += int(truncated)
+                stats.samples_kept += 1
+                stats.num_tokens += len(ids)
+                stats.num_loss_tokens += int(mask.sum())
+                lengths.append(len(ids))
+                ids.tofile(ids_file)
+                mask.astype(np.uint8).tofile(mask_file)
     stats.samples_bad = len(bad)
     _report_bad_samples(staging, source, stats, bad, max_bad_fraction)
     _log_overflow(stats, max_length, overflow)
+    _log_cut_replies(stats, options.cut_replies)
     if not stats.samples_kept:
         raise DataError(_nothing_kept_message(source, stats, max_length, overflow))
     return stats, lengths
 
 
 def _nothing_kept_message(source: Path, stats: PrepareStats, max_length: int, overflow: str) -> str:
-    """Why no sample is left when some were dropped at --max-length (all bad: _report_bad_samples)."""
+    """Why no sample is left when some were dropped at --max-length or as cut replies (all bad:
+    _report_bad_samples)."""
     why = ("longer than it under --overflow drop; raise --max-length or use --overflow truncate" if overflow == "drop"
            else "no assistant token within it; raise --max-length")
+    cut = (f", {stats.samples_cut_dropped} were replies cut at the regeneration's length limit, dropped by "
+           "--cut-replies drop (keep them with --cut-replies keep)" if stats.samples_cut_dropped else "")
     bad = f", and the other {stats.samples_bad} are bad ({_reason_counts(stats)})" if stats.samples_bad else ""
     return (f"{source}: no sample left to train on: {stats.samples_dropped} of {stats.samples_read} were dropped at "
-            f"--max-length={max_length} ({why}){bad}")
+            f"--max-length={max_length} ({why}){cut}{bad}")
 
 
-def _tokenize_line(item: tuple[int, bytes], source: Path, tokenizer, options: tuple[int, str]):
-    """(ids, mask) of one line, or the SampleError naming it (file:line); options: (max_chars,
-    loss_turns) of tokenize_conversation."""
+def _tokenize_line(item: tuple[int, bytes], source: Path, tokenizer, options: LineOptions):
+    """One line's _Line, or the SampleError naming it (file:line). A reply generated in another
+    thinking mode than this preparation's stops it (a DataError)."""
     lineno, raw = item
     where = f"{source}:{lineno}"
     try:
-        return tokenize_conversation(tokenizer, parse_line(raw, where), *options)
+        messages, reply = parse_sample(raw, where)
+        if reply is not None and reply.thinking is not None and reply.thinking != options.thinking:
+            raise mismatch_error(reply.thinking, f"{where}: target_reply", options.thinking, "the data")
+        cut = reply is not None and reply.cut
+        if cut and options.cut_replies == "drop":
+            return _Line([], cut)
+        return _Line(conversation_sequences(tokenizer, messages, reply, options.max_chars, options.loss_turns,
+                                        options.thinking), cut)
     except SampleError as err:
         message = str(err) if str(err).startswith(where) else f"{where}: {err}"
         return SampleError(message, err.reason)
@@ -221,7 +267,7 @@ def _tokenize_line(item: tuple[int, bytes], source: Path, tokenizer, options: tu
 _worker_args: tuple = ()
 
 
-def _init_worker(source: Path, tokenizer, options: tuple[int, str]) -> None:
+def _init_worker(source: Path, tokenizer, options: LineOptions) -> None:
     global _worker_args
     _worker_args = (source, tokenizer, options)
 
@@ -231,7 +277,7 @@ def _tokenize_in_worker(item: tuple[int, bytes]):
 
 
 @contextlib.contextmanager
-def _tokenized_lines(source: Path, tokenizer, options: tuple[int, str], workers: int):
+def _tokenized_lines(source: Path, tokenizer, options: LineOptions, workers: int):
     """Every line's tokenization result, in file order, from this process or a pool."""
     if workers <= 1:
         yield (_tokenize_line(item, source, tokenizer, options) for item in iter_lines(source))
@@ -325,6 +371,14 @@ def _report_bad_samples(staging: Path, source: Path, stats: PrepareStats, bad: l
 
 def _reason_counts(stats: PrepareStats) -> str:
     return ", ".join(f"{reason}: {n}" for reason, n in sorted(stats.bad_reasons.items()))
+
+
+def _log_cut_replies(stats: PrepareStats, cut_replies: str) -> None:
+    if stats.samples_cut:
+        logger.warning("%d of %d replies were cut at the regeneration's length limit (target_reply.finish_reason "
+                       "length): %s", stats.samples_cut, stats.samples_read,
+                       f"dropped {stats.samples_cut_dropped} (--cut-replies drop)" if cut_replies == "drop"
+                       else "trained as cut, without an end-of-turn token (--cut-replies keep)")
 
 
 def _log_overflow(stats: PrepareStats, max_length: int, overflow: str) -> None:

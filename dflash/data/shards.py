@@ -30,11 +30,14 @@ LENGTHS_FILE = "lengths.npy"
 class PrepareStats:
     """What prepare_dataset did with the samples of one file."""
 
-    samples_read: int = 0
-    samples_kept: int = 0
+    samples_read: int = 0  # lines
+    samples_kept: int = 0  # sequences written (a conversation split by turn gives several)
     samples_truncated: int = 0  # kept, but cut at max_length
     samples_dropped: int = 0  # too long under "drop", or no loss token left after truncation
     samples_bad: int = 0  # skipped under --on-bad-sample skip, listed in bad_samples.txt
+    samples_cut: int = 0  # replies cut at the regeneration's length limit (finish_reason "length")
+    samples_cut_dropped: int = 0  # of those, dropped under --cut-replies drop
+    samples_split_by_turn: int = 0  # trained as one sequence per assistant turn (conversation_sequences)
     bad_reasons: dict[str, int] = field(default_factory=dict)
     num_tokens: int = 0
     num_loss_tokens: int = 0

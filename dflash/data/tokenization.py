@@ -1,6 +1,7 @@
 """Tokenizers and the chat template: token ids plus the loss mask on assistant tokens.
 
   load_tokenizer         a tokenizer folder (or a GGUF file's tokenizer) with a chat template
+  conversation_sequences the sequence(s) one conversation trains on
   tokenize_conversation  chat-template token ids + loss mask on the assistant span(s)
   prompt_ids             the prompt up to the final reply, with the generation prompt
 """
@@ -13,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 import numpy as np
 
-from dflash.data.chat_formats import DataError, Messages, SampleError
+from dflash.data.chat_formats import DataError, Messages, SampleError, TargetReply
+from dflash.data.thinking import thinking_kwargs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -25,12 +27,35 @@ if TYPE_CHECKING:
 MAX_CHARS_PER_TOKEN = 64
 
 LOSS_TURNS = ("last", "all")
+NOT_PREFIX_STABLE = "template not prefix-stable"
+
+TokenSequence = tuple[np.ndarray, np.ndarray]  # token ids int32, loss mask bool
+
+
+def conversation_sequences(
+    tokenizer: PreTrainedTokenizerBase, messages: Messages, reply: TargetReply | None = None,
+    max_chars: int | None = None, loss_turns: str = "last", thinking: str = "none",
+) -> list[TokenSequence]:
+    """The sequences a conversation trains on (see tokenize_conversation): one, or with
+    `loss_turns="all"` and a template that renders an earlier reply otherwise once later turns
+    follow (Qwen3's drops its thinking), one per assistant turn, each as serving renders it: the
+    conversation up to the turn with the generation prompt, then the turn."""
+    try:
+        return [tokenize_conversation(tokenizer, messages, max_chars, loss_turns, thinking, reply)]
+    except SampleError as err:
+        if loss_turns != "all" or err.reason != NOT_PREFIX_STABLE:
+            raise
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    return [tokenize_conversation(tokenizer, messages[: turn + 1], max_chars, "last", thinking,
+                                  reply if turn == turns[-1] else None) for turn in turns]
 
 
 def tokenize_conversation(
-    tokenizer: PreTrainedTokenizerBase, messages: Messages, max_chars: int | None = None, loss_turns: str = "last"
-) -> tuple[np.ndarray, np.ndarray]:
-    """Return (token ids int32, loss mask bool) of a conversation rendered by the chat template.
+    tokenizer: PreTrainedTokenizerBase, messages: Messages, max_chars: int | None = None, loss_turns: str = "last",
+    thinking: str = "none", reply: TargetReply | None = None,
+) -> TokenSequence:
+    """Return (token ids int32, loss mask bool) of a conversation rendered by the chat template
+    (in the resolved `thinking` mode, dflash/data/thinking.py).
 
     The mask is True on what the last assistant turn produces (`loss_turns="all"`: every
     assistant turn): its content, the tool calls the template renders in it, and its end-of-turn
@@ -41,6 +66,11 @@ def tokenize_conversation(
     both of which must be TEXT prefixes of the full render; the full render is tokenized once,
     and the tokens overlapping those characters are the turn's. Contents longer than
     `max_chars` are cut first (see MAX_CHARS_PER_TOKEN).
+
+    The final reply as the target wrote it (`reply`, from regeneration): its emitted token ids
+    follow the prompt's ids (prompt_ids) as they are, since tokenizing its text again can merge
+    differently; a reply cut at the length limit without ids is the prompt's text followed by the
+    reply's, never closed by the template's end-of-turn token.
     """
     require_chat_template(tokenizer)
     replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
@@ -52,19 +82,50 @@ def tokenize_conversation(
                           "starts with an assistant turn")
     # Turns after the last reply carry no loss and cannot affect it (causal), so skip them.
     messages = [{**m, "content": m["content"][:max_chars]} for m in messages[: replies[-1] + 1]]
-    text = _render_text(tokenizer, messages, add_generation_prompt=False)
+    template = thinking_kwargs(thinking)
+    final = replies[-1]
+    emitted = _emitted_ids(tokenizer, reply)
+    cut_text = emitted is None and reply is not None and reply.cut
+    if emitted is not None or cut_text:  # the final reply is not the template's to render
+        prompt = _render_text(tokenizer, messages[:final], add_generation_prompt=True, **template)
+        text, whole = prompt, "the final reply's prompt"
+        if cut_text:
+            text += messages[final]["content"]
+            _check_tool_calls_rendered(messages[final], messages[final]["content"], final)
+        templated = replies[:-1] if loss_turns == "all" else []
+    else:
+        text = _render_text(tokenizer, messages, add_generation_prompt=False, **template)
+        whole = "the whole conversation"
+        templated = replies if loss_turns == "all" else replies[-1:]
     encoded = _encode_with_offsets(tokenizer, text)
     ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
     mask = np.zeros(len(ids), dtype=bool)
-    for turn in replies if loss_turns == "all" else replies[-1:]:
-        start = _render_text(tokenizer, messages[:turn], add_generation_prompt=True)
-        end = _render_text(tokenizer, messages[: turn + 1], add_generation_prompt=False)
+    for turn in templated:
+        start = _render_text(tokenizer, messages[:turn], add_generation_prompt=True, **template)
+        end = _render_text(tokenizer, messages[: turn + 1], add_generation_prompt=False, **template)
         _check_text_prefix(start, end, turn, "the generation prompt", "the turn")
-        _check_text_prefix(end, text, turn, "the turn", "the whole conversation")
+        _check_text_prefix(end, text, turn, "the turn", whole)
         _check_tool_calls_rendered(messages[turn], end[len(start):], turn)
         first, last = _token_span(offsets, len(start), len(end))
         mask[first:_reply_end(tokenizer, ids, first, last)] = True
+    if cut_text:  # the tokens of the reply's characters, and no end-of-turn token after them
+        mask[_token_span(offsets, len(prompt), len(text))[0]:] = True
+    if emitted is not None:
+        return (np.asarray(ids + emitted, dtype=np.int32),
+                np.concatenate([mask, np.ones(len(emitted), dtype=bool)]))
     return np.asarray(ids, dtype=np.int32), mask
+
+
+def _emitted_ids(tokenizer: PreTrainedTokenizerBase, reply: TargetReply | None) -> list[int] | None:
+    """The ids the target emitted for the final reply, checked against the tokenizer, or None."""
+    if reply is None or reply.token_ids is None:
+        return None
+    outside = [i for i in reply.token_ids if i >= len(tokenizer)]
+    if outside:
+        raise SampleError(f"target_reply.token_ids: id {outside[0]} is outside the {len(tokenizer)} ids of tokenizer "
+                          f"{tokenizer.name_or_path!r}; the reply was generated with another tokenizer: pass the "
+                          "--tokenizer of the target that regenerated the data", "token id out of range")
+    return list(reply.token_ids)
 
 
 # Any one of these makes a folder a tokenizer that transformers can load.
@@ -145,7 +206,7 @@ def _check_text_prefix(prefix: str, full: str, turn: int, prefix_name: str, full
         raise SampleError(f"assistant turn messages[{turn}]: the chat template is not prefix-stable "
                           f"({prefix_name} does not render as a prefix of {full_name}), so the "
                           "assistant tokens cannot be located; pass a --tokenizer whose template "
-                          "renders earlier turns unchanged", "template not prefix-stable")
+                          "renders earlier turns unchanged", NOT_PREFIX_STABLE)
 
 
 def _check_tool_calls_rendered(message: dict[str, Any], turn_text: str, turn: int) -> None:

@@ -357,7 +357,7 @@ def test_manifest_reuse(tokenizer, tmp_path, monkeypatch, caplog):
     path = write_jsonl(tmp_path / "d.jsonl", SAMPLES)
     shard = prepare_dataset(path, tokenizer, tmp_path / "shard", max_length=512)
 
-    monkeypatch.setattr(prepare, "tokenize_conversation", _crash)
+    monkeypatch.setattr(prepare, "conversation_sequences", _crash)
     with caplog.at_level(logging.INFO, logger="dflash.data"):
         again = prepare_dataset(path, tokenizer, tmp_path / "shard", max_length=512)
     assert again == shard
