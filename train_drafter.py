@@ -79,7 +79,7 @@ def final_evaluation(config, result, device) -> None:
         config.model.target, config.model.tokenizer,
         {"untrained": result.initial_drafter_dir, "trained": result.drafter_dir},
         config.data.eval_data, config.train.eval_prompts, config.train.eval_max_new_tokens, device,
-        getattr(torch, config.train.eval_dtype),
+        getattr(torch, config.train.eval_dtype), thinking=config.data.thinking,
     )
     write_reports(reports, Path(config.train.output_dir) / "eval.json")
     if not check_lossless(reports):

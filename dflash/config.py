@@ -19,6 +19,8 @@ import yaml
 from transformers import HfArgumentParser
 
 from dflash.data.chat_formats import load_chat_jsonl
+from dflash.data.prepare import CUT_REPLY_POLICIES, DEFAULT_CUT_REPLIES
+from dflash.data.thinking import THINKING_FLAG_VALUES, THINKING_HELP
 from dflash.demo import DEMO_HELDOUT_DATA, DEMO_TARGET_DIR, DEMO_TRAIN_DATA
 from dflash.target.gguf import is_model_path
 from dflash.util.cli import ConfigError, cli_parser
@@ -52,7 +54,9 @@ class DataArgs:
     eval_data: str | None = field(default=None, metadata={"help": "held-out chat JSONL for the final evaluation"})
     max_length: int | None = field(default=None, metadata={"help": "tokens per sequence (recipe 3072, demo 512)"})
     overflow: str = field(default="truncate", metadata={"help": "longer sequences: truncate | drop"})
-    loss_turns: str = field(default="last", metadata={"help": "assistant turns in the loss: last (the reply the target regenerated; earlier replies of a multi-turn prompt are the dataset's) | all"})
+    loss_turns: str = field(default="last", metadata={"help": "assistant turns in the loss: last (the reply the target regenerated; earlier replies of a multi-turn prompt are the dataset's) | all (each rendered as serving renders it)"})
+    thinking: str = field(default="auto", metadata={"help": THINKING_HELP})
+    cut_replies: str = field(default=DEFAULT_CUT_REPLIES, metadata={"help": "replies the regeneration cut at its length limit (target_reply.finish_reason length): keep (trained as cut, never closed by an end-of-turn token) | drop (counted in the shard's manifest)"})
     on_bad_sample: str = field(default="skip", metadata={"help": "skip (counted, listed in <output-dir>/data/train/bad_samples.txt) | error"})
     max_bad_fraction: float = field(default=0.01, metadata={"help": "with skip: more bad samples than this fraction stops the run"})
     bucket_boundaries: list[int] = field(default_factory=lambda: list(DEFAULT_BUCKETS))
@@ -205,7 +209,8 @@ def fill_defaults(config: RunConfig) -> None:
         raise ConfigError("--train-data is required with --target: pass a chat JSONL file")
 
 
-RUN_FILES = ("metrics.jsonl", "target_metrics", "checkpoints", "drafter", "drafter-init", "eval.json")
+RUN_CONFIG_FILE = "run_config.json"  # the flags a run ran with, --thinking resolved
+RUN_FILES = ("metrics.jsonl", "target_metrics", "checkpoints", "drafter", "drafter-init", "eval.json", RUN_CONFIG_FILE)
 
 
 def earlier_run_files(output_dir: Path) -> list[str]:
@@ -317,6 +322,8 @@ def validate(config: RunConfig, for_training: bool = True) -> None:
     _require(d.overflow in ("truncate", "drop"), f"--overflow {d.overflow}: use truncate or drop")
     _require(d.on_bad_sample in ("skip", "error"), f"--on-bad-sample {d.on_bad_sample}: use skip or error")
     _require(d.loss_turns in ("last", "all"), f"--loss-turns {d.loss_turns}: use last or all")
+    _require(d.thinking in THINKING_FLAG_VALUES, f"--thinking {d.thinking}: use {', '.join(THINKING_FLAG_VALUES)}")
+    _require(d.cut_replies in CUT_REPLY_POLICIES, f"--cut-replies {d.cut_replies}: use {' or '.join(CUT_REPLY_POLICIES)}")
     _require(d.prepare_workers >= 0, f"--prepare-workers {d.prepare_workers}: use 0 (auto) or a process count")
     _require(0 <= d.max_bad_fraction <= 1, f"--max-bad-fraction {d.max_bad_fraction}: use a fraction in [0, 1]")
     _require(m.num_draft_layers >= 1, f"--num-draft-layers {m.num_draft_layers}: need at least 1")

@@ -21,6 +21,7 @@ from dflash.config import RunConfig, parse_config
 from dflash.data.chat_formats import DataError
 from dflash.data.dataset import TokenDataset
 from dflash.data.sampler import RankAwareBucketSampler
+from dflash.data.thinking import resolve_thinking
 from dflash.data.tokenization import load_tokenizer
 from dflash.target.frozen import TargetError
 from dflash.target.gguf import resolve_target, run_target_dir
@@ -67,6 +68,9 @@ def stats_report(config: RunConfig, dataset: TokenDataset) -> str:
         f"{config.data.train_data}: {counts['samples_read']} samples read, {counts['samples_kept']} kept, "
         f"{counts['samples_truncated']} truncated and {counts['samples_dropped']} dropped at --max-length "
         f"{config.data.max_length}, {counts['samples_bad']} bad skipped {counts['bad_reasons'] or ''}".rstrip(),
+        f"replies cut at the regeneration's length limit: {counts['samples_cut']} ({counts['samples_cut_dropped']} "
+        f"dropped, --cut-replies {config.data.cut_replies}); thinking {manifest['thinking']}; "
+        f"{counts['samples_split_by_turn']} conversations trained one sequence per assistant turn",
         f"tokens: {manifest['num_tokens']:,} in all, {counts['num_loss_tokens'] / max(manifest['num_tokens'], 1):.1%} "
         f"of them trained on (assistant tokens); length p10/p50/p90/max "
         f"{'/'.join(str(int(v)) for v in np.quantile(lengths, [0.1, 0.5, 0.9, 1.0]))}",
@@ -96,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(0)
     try:
         config = parse_config(argv[1:], for_training=False)
-        shard = prepare_train_shard(config, load_tokenizer(config.model.tokenizer))
+        tokenizer = load_tokenizer(config.model.tokenizer)
+        shard = prepare_train_shard(config, tokenizer, resolve_thinking(tokenizer, config.data.thinking))
         if argv[0] == "prepare":  # a GGUF target's conversion too, which the launched run then reuses
             resolve_target(config.model.target, run_target_dir(config.train.output_dir))
         if argv[0] == "stats":

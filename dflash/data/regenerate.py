@@ -16,7 +16,8 @@ it stopped; at the end <output> holds every conversation in input order, usable 
 --train-data. Greedy by default; `--sampling target` uses the target's generation_config
 (temperature, top_p, top_k; when the config sets more, such as a repetition penalty,
 `--engine auto` picks HF generation over the fast engine). `--thinking on|off` is passed to chat templates that know it
-(enable_thinking).
+(enable_thinking; the default, auto, follows the template's own), and each record's
+target_reply.thinking says the mode it was resolved to (dflash/data/thinking.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 from transformers import GenerationConfig
 
 from dflash.data.chat_formats import DataError, load_chat_jsonl
+from dflash.data.thinking import THINKING_FLAG_VALUES, THINKING_HELP, resolve_thinking, thinking_kwargs
 from dflash.data.tokenization import load_tokenizer, prompt_ids, prompt_messages
 from dflash.target.frozen import FrozenTarget, TargetError, load_target_config
 from dflash.target.generate import generate_batches
@@ -63,7 +65,7 @@ class RegenerateArgs:
         "help": "auto (vllm when it is installed and a GPU is visible, else fast where it applies, else hf) | "
                 "fast (static KV cache, CUDA graphs; Llama, Mistral, Qwen2/3) | hf | vllm"})
     sampling: str = field(default="greedy", metadata={"help": "greedy | target (the target's generation_config)"})
-    thinking: str = field(default="off", metadata={"help": "off | on, for chat templates with enable_thinking"})
+    thinking: str = field(default="auto", metadata={"help": THINKING_HELP})
     limit: int = field(default=0, metadata={"help": "only the first N conversations (0: all)"})
     device: str = "auto"
     dtype: str = field(default="bfloat16", metadata={"help": "bfloat16 | float32"})
@@ -78,7 +80,7 @@ def check_args(args: RegenerateArgs) -> None:
         (args.engine != "vllm" or vllm_available(), "--engine vllm: vllm is not installed; pip install vllm, "
                                                     "or use --engine hf"),
         (args.sampling in ("greedy", "target"), f"--sampling {args.sampling}: use greedy or target"),
-        (args.thinking in ("off", "on"), f"--thinking {args.thinking}: use off or on"),
+        (args.thinking in THINKING_FLAG_VALUES, f"--thinking {args.thinking}: use {', '.join(THINKING_FLAG_VALUES)}"),
         (args.dtype in ("bfloat16", "float32"), f"--dtype {args.dtype}: use bfloat16 or float32"),
         (args.limit >= 0, f"--limit {args.limit}: use 0 (all) or a count"),
         (is_model_path(args.target),
@@ -247,7 +249,8 @@ def regenerate(args: RegenerateArgs) -> Path:
     if args.limit:
         conversations = conversations[: args.limit]
     tokenizer = load_tokenizer(args.tokenizer or args.target)
-    template = {"enable_thinking": args.thinking == "on"}
+    thinking = resolve_thinking(tokenizer, args.thinking)
+    template = thinking_kwargs(thinking)
     prompts = {i: prompt_ids(tokenizer, messages, **template) for i, messages in enumerate(conversations)}
     output = Path(args.output)
     partial = output.with_name(output.name + ".partial")
@@ -270,7 +273,8 @@ def regenerate(args: RegenerateArgs) -> Path:
                 seconds = time.perf_counter() - started
                 logger.info("%d/%d generated, %.1f conversations/s, %.0f new tokens/s", finished, len(todo),
                             finished / seconds, new_tokens / seconds)
-    records = [{"messages": [*prompt_messages(messages), {"role": "assistant", "content": done[i]}]}
+    records = [{"messages": [*prompt_messages(messages), {"role": "assistant", "content": done[i]}],
+                "target_reply": {"thinking": thinking}}
                for i, messages in enumerate(conversations)]
     write_text_durably(output, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     partial.unlink(missing_ok=True)

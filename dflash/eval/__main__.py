@@ -7,7 +7,8 @@ Reports tau (tokens per target forward during drafting cycles, bonus token inclu
 per-position acceptance, wall-clock speedup over plain greedy decoding of the same target,
 and, on the same prompts and the target's own continuations, the teacher-forced streak that
 training logs (bonus NOT included: compare tau with 1 + streak). The decoded text must equal
-plain greedy decoding; the command fails if it does not.
+plain greedy decoding; the command fails if it does not. Prompts are rendered in the --thinking
+mode, which must be the one the drafter was trained in (its config.json records it).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from dflash.config import EVAL_FLAGS, check_eval_flags
 from dflash.data.chat_formats import DataError
+from dflash.data.thinking import THINKING_HELP
 from dflash.demo import DEMO_HELDOUT_DATA, DEMO_TARGET_DIR
 from dflash.drafter.export import DrafterLoadError
 from dflash.eval.evaluate import check_lossless, evaluate_drafters, write_reports
@@ -41,6 +43,8 @@ class EvalArgs:
     dtype: str = field(default="float32", metadata={"help": "float32 (exact lossless check) | bfloat16 (serving speed)"})
     decoder: str = field(default="auto", metadata={"help": "fast (static KV caches, CUDA graphs on a GPU; Llama, "
                                                            "Mistral, Qwen2/3) | plain (HF forward, any family) | auto"})
+    thinking: str = field(default="auto", metadata={"help": THINKING_HELP + " (a drafter that records another "
+                                                                          "mode is refused)"})
     output: str | None = field(default=None, metadata={"help": "write the report as JSON here"})
 
 
@@ -57,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         device = pick_device(args.device, 0)
         reports = evaluate_drafters(
             args.target, args.tokenizer or args.target, {"drafter": args.drafter}, args.prompts,
-            args.num_prompts, args.max_new_tokens, device, getattr(torch, args.dtype), args.decoder,
+            args.num_prompts, args.max_new_tokens, device, getattr(torch, args.dtype), args.decoder, args.thinking,
         )
     except EVAL_ERRORS as err:
         return user_error(err)

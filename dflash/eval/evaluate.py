@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from dflash.data.chat_formats import DataError, load_chat_jsonl
+from dflash.data.thinking import mismatch_error, resolve_thinking, thinking_kwargs
 from dflash.data.tokenization import load_tokenizer, prompt_ids
 from dflash.drafter.attention import BlockLayout, resolve_backend
 from dflash.drafter.export import DrafterLoadError, load_drafter
@@ -193,12 +194,14 @@ def evaluate(target: FrozenTarget, drafter: DFlashDrafter, prompts: list[list[in
     )
 
 
-def load_prompts(path: str, tokenizer, limit: int) -> list[list[int]]:
+def load_prompts(path: str, tokenizer, limit: int, thinking: str = "none") -> list[list[int]]:
+    """The first `limit` prompts of a chat file, rendered in a resolved thinking mode (none: the
+    chat template's own render)."""
     conversations = load_chat_jsonl(path, require_reply=False)[:limit]
     prompts = []
     for number, messages in enumerate(conversations, start=1):
         try:
-            prompts.append(prompt_ids(tokenizer, messages))
+            prompts.append(prompt_ids(tokenizer, messages, **thinking_kwargs(thinking)))
         except DataError as err:
             raise DataError(f"{path}: conversation {number}: {err}") from err
     return prompts
@@ -207,12 +210,19 @@ def load_prompts(path: str, tokenizer, limit: int) -> list[list[int]]:
 def evaluate_drafters(
     target_path: str, tokenizer_path: str, drafters: dict[str, str | Path], prompts_path: str,
     num_prompts: int, max_new_tokens: int, device: torch.device, dtype: torch.dtype = torch.float32,
-    decoder: str = "auto",
+    decoder: str = "auto", thinking: str = "auto",
 ) -> dict[str, EvalReport]:
-    """Load the target once and judge each named drafter folder on the same prompts."""
+    """Load the target once and judge each named drafter folder on the same prompts, rendered in
+    the `thinking` mode (--thinking, resolved): a drafter that records another one is refused."""
     tokenizer = load_tokenizer(tokenizer_path)
-    prompts = load_prompts(prompts_path, tokenizer, num_prompts)  # cheap checks before the target loads
+    mode = resolve_thinking(tokenizer, thinking)
+    prompts = load_prompts(prompts_path, tokenizer, num_prompts, mode)  # cheap checks before the target loads
     loaded = {name: load_drafter(path) for name, path in drafters.items()}
+    for name, drafter in loaded.items():
+        trained = drafter.config.dflash_config.get("thinking")  # None: exported before drafters recorded it
+        if trained is not None and trained != mode:
+            raise mismatch_error(trained, f"--drafter {drafters[name]} (dflash_config in its config.json)", mode,
+                                 "the drafter")
     layer_ids = {tuple(d.config.dflash_config["target_layer_ids"]) for d in loaded.values()}
     if len(layer_ids) != 1:
         raise DrafterLoadError(f"drafters {list(drafters)} read different target layers {sorted(layer_ids)}")

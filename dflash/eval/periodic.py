@@ -44,11 +44,13 @@ def training_sequences(dataset: TokenDataset, count: int, max_new_tokens: int) -
 
 
 class TauProbe:
+    """The held-out prompts rendered in the run's resolved thinking mode (that of its data)."""
+
     def __init__(self, target: FrozenTarget, tokenizer, prompts_path: str, num_prompts: int, max_new_tokens: int,
-                 block_size: int, dataset: TokenDataset | None = None):
+                 block_size: int, dataset: TokenDataset | None = None, thinking: str = "none"):
         started = time.perf_counter()
         eos = eos_token_ids(tokenizer, target)
-        prompts = load_prompts(prompts_path, tokenizer, num_prompts)
+        prompts = load_prompts(prompts_path, tokenizer, num_prompts, thinking)
         self.target = target
         decoder = Decoder(target, None, max(map(len, prompts)) + max_new_tokens + block_size,
                           resolve_decoder("auto", target))

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from dflash.config import RunConfig, earlier_run_files
 from dflash.data.dataset import TokenDataset
+from dflash.data.thinking import resolve_thinking
 from dflash.data.tokenization import load_tokenizer
 from dflash.drafter.export import export_drafter
 from dflash.drafter.flops import cost_shapes
@@ -66,14 +67,18 @@ class Interrupted(KeyboardInterrupt):
         self.step = step
 
 
-def build_drafter_config(config: RunConfig, tokenizer):
+def build_drafter_config(config: RunConfig, tokenizer, thinking: str):
+    """The drafter's config; dflash_config.thinking records the mode its prompts were rendered in,
+    which an evaluation must render them in too (dflash/eval/evaluate.py)."""
     target_config = load_target_config(config.model.target)
     num_layers = target_config.num_hidden_layers
     layer_ids = config.model.target_layer_ids or default_target_layer_ids(num_layers, config.model.num_target_features)
     check_target_layer_ids(layer_ids, num_layers)
     mask_id = resolve_mask_token_id(tokenizer, target_config, config.model.mask_token_id)
-    return drafter_config(target_config, config.model.num_draft_layers, layer_ids, config.model.block_size, mask_id,
+    dcfg = drafter_config(target_config, config.model.num_draft_layers, layer_ids, config.model.block_size, mask_id,
                           window=config.model.draft_window)
+    dcfg.dflash_config["thinking"] = thinking
+    return dcfg
 
 
 def feature_cache(config: RunConfig, dataset: TokenDataset, spec: TransportSpec, ranks: RankInfo) -> FeatureCache | None:
@@ -125,15 +130,15 @@ def clear_earlier_run(config: RunConfig, ranks: RankInfo) -> None:
     dist.barrier()
 
 
-def prepare_data(config: RunConfig, tokenizer, ranks: RankInfo) -> TokenDataset:
+def prepare_data(config: RunConfig, tokenizer, thinking: str, ranks: RankInfo) -> TokenDataset:
     """Rank 0 tokenizes (or reuses the cached shard); the others wait, then open it."""
     if ranks.rank == 0:
-        prepare_train_shard(config, tokenizer)
+        prepare_train_shard(config, tokenizer, thinking)
     dist.barrier()
     # Nodes that do not share rank 0's filesystem build (or reuse) their own copy.
     shard = train_shard_dir(config)
     if ranks.local_rank == 0 and not (shard / "manifest.json").is_file():
-        prepare_train_shard(config, tokenizer)
+        prepare_train_shard(config, tokenizer, thinking)
     dist.barrier()
     return TokenDataset(shard)
 
@@ -157,9 +162,10 @@ def train(config: RunConfig, ranks: RankInfo) -> TrainResult:
     dtype = train_dtype(config, device)
     settle_target(config, ranks)
     tokenizer = load_tokenizer(config.model.tokenizer)
-    dcfg = build_drafter_config(config, tokenizer)
+    thinking = resolve_thinking(tokenizer, config.data.thinking)
+    dcfg = build_drafter_config(config, tokenizer, thinking)
     clear_earlier_run(config, ranks)
-    dataset = prepare_data(config, tokenizer, ranks)
+    dataset = prepare_data(config, tokenizer, thinking, ranks)
     topology = place_ranks(config, ranks, dcfg, dataset.lengths)
     data_group, self_group = drafter_groups(topology)
     pairs = None if topology.colocated else open_pair_groups(topology.drafter_ranks, topology.target_ranks)

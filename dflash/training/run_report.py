@@ -1,18 +1,22 @@
-"""What a drafter rank tells the user, each part deciding when it is due: the metrics window,
-the periodic exact tau, the progress line with metrics.jsonl and W&B, the profile, the ETA."""
+"""What a drafter rank tells the user, each part deciding when it is due: the run's config
+(<output-dir>/run_config.json), the metrics window, the periodic exact tau, the progress line with
+metrics.jsonl and W&B, the profile, the ETA."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 
+from dflash.config import RUN_CONFIG_FILE
 from dflash.drafter.flops import cost_shapes, measured_peak_tflops, micro_batch_flops
 from dflash.drafter.objective import LossOutput
 from dflash.eval.periodic import TauProbe, memorising
 from dflash.training.drafter_setup import DrafterRun, RankContext
 from dflash.training.metrics import MetricsLogger, WindowMetrics, progress_line
 from dflash.training.profiling import StepProfiler
+from dflash.util.files import write_text_durably
 from dflash.util.phases import PhaseClock
 
 logger = logging.getLogger(__name__)
@@ -29,8 +33,11 @@ class RunReport:
         self.window = WindowMetrics(ctx.dcfg.block_size, peak)
         self.shapes = cost_shapes(ctx.dcfg, config.train.max_anchors, whole_target=config.train.kl_weight > 0)
         self.probe = tau_probe(ctx) if run.is_main else None
+        settings = run_config(ctx)
+        if run.is_main:
+            write_text_durably(ctx.out_dir / RUN_CONFIG_FILE, json.dumps(settings, indent=2) + "\n")
         self.metrics = MetricsLogger(ctx.out_dir, config.train.report_to, config.train.wandb_mode,
-                                     flat_config(config), enabled=run.is_main, start_step=run.engine.global_steps)
+                                     settings, enabled=run.is_main, start_step=run.engine.global_steps)
         self.profiler = StepProfiler(ctx.out_dir, PROFILE_AFTER_STEPS, config.train.profile_steps, device,
                                      enabled=run.is_main)
         self.tau: dict = {}
@@ -103,8 +110,12 @@ def tau_probe(ctx: RankContext) -> TauProbe | None:
         logger.info("periodic eval needs the target on the drafter rank (colocated); the final eval reports tau")
         return None
     return TauProbe(ctx.target, ctx.tokenizer, data.eval_data, t.eval_prompts, t.eval_max_new_tokens,
-                    ctx.config.model.block_size, ctx.dataset)
+                    ctx.config.model.block_size, ctx.dataset, thinking=ctx.dcfg.dflash_config["thinking"])
 
 
-def flat_config(config) -> dict:
-    return {**dataclasses.asdict(config.model), **dataclasses.asdict(config.data), **dataclasses.asdict(config.train)}
+def run_config(ctx: RankContext) -> dict:
+    """The run's flags, one flat mapping, with --thinking resolved to the mode its prompts were
+    rendered in (on, off, or none: the chat template has no switch)."""
+    config = ctx.config
+    return {**dataclasses.asdict(config.model), **dataclasses.asdict(config.data), **dataclasses.asdict(config.train),
+            "thinking": ctx.dcfg.dflash_config["thinking"]}

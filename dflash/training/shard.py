@@ -15,9 +15,11 @@ def train_shard_dir(config: RunConfig) -> Path:
     return Path(config.train.output_dir) / "data" / "train"
 
 
-def prepare_train_shard(config: RunConfig, tokenizer) -> Path:
-    """The training shard for these flags (reused when already prepared with them)."""
+def prepare_train_shard(config: RunConfig, tokenizer, thinking: str) -> Path:
+    """The training shard for these flags and the resolved thinking mode (reused when already
+    prepared with them)."""
     d = config.data
     return prepare_dataset(d.train_data, tokenizer, train_shard_dir(config), max_length=d.max_length,
                            overflow=d.overflow, on_bad_sample=d.on_bad_sample, max_bad_fraction=d.max_bad_fraction,
-                           workers=d.prepare_workers, loss_turns=d.loss_turns)
+                           workers=d.prepare_workers, loss_turns=d.loss_turns, thinking=thinking,
+                           cut_replies=d.cut_replies)

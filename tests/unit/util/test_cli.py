@@ -51,6 +51,15 @@ def test_help_of_train_drafter_shows_the_default_of_a_flag_without_help(capsys, 
     assert entries["--target"].endswith("(default: the shipped demo target)")
 
 
+@pytest.mark.parametrize("command", ["train_drafter", "eval.__main__", "regenerate"])
+def test_training_evaluation_and_regeneration_take_one_thinking_switch(capsys, monkeypatch, command):
+    """--thinking auto|on|off everywhere prompts are rendered, auto (the template's own) the default."""
+    main = train_drafter.main if command == "train_drafter" else importlib.import_module(f"dflash.{command}").main
+    entry = dict(options(help_text(capsys, monkeypatch, main)))["--thinking"]
+    assert entry.startswith("--thinking THINKING auto (the default: the chat template's own choice"), entry
+    assert "| on | off" in entry
+
+
 def test_every_command_builds_its_parser_with_cli_parser():
     dflash = Path(__file__).resolve().parents[3] / "dflash"
     direct = [path.name for path in dflash.rglob("*.py")
