@@ -19,7 +19,7 @@ import yaml
 from transformers import HfArgumentParser
 
 from dflash.data.chat_formats import load_chat_jsonl
-from dflash.demo import DEMO_HELDOUT_DATA, DEMO_TARGET_DIR, DEMO_TRAIN_DATA
+from dflash.demo import DEMO_HELDOUT_DATA, DEMO_TARGET_DIR, DEMO_TRAIN_DATA, require_demo_assets
 from dflash.target.gguf import is_model_path
 from dflash.util.cli import ConfigError, cli_parser
 from dflash.util.files import output_dir_problem
@@ -197,6 +197,7 @@ def fill_defaults(config: RunConfig) -> None:
             if f.name in preset and getattr(part, f.name) is None:
                 setattr(part, f.name, preset[f.name])
     if config.model.target is None:
+        require_demo_assets("--target and --train-data")
         config.model.target = str(DEMO_TARGET_DIR)
         config.data.train_data = config.data.train_data or str(DEMO_TRAIN_DATA)
         config.data.eval_data = config.data.eval_data or str(DEMO_HELDOUT_DATA)
