@@ -10,7 +10,7 @@ from pathlib import Path
 DFLASH = Path(__file__).resolve().parents[2] / "dflash"
 
 # Lowest first; a module may import its own subpackage and those of a lower rank (dflash/__init__.py).
-RANK = {"util": 0, "target": 1, "data": 2, "demo": 3, "drafter": 4, "placement": 5, "config": 6, "eval": 7,
+RANK = {"util": 0, "nn": 0, "target": 1, "data": 2, "demo": 3, "drafter": 4, "placement": 5, "config": 6, "eval": 7,
         "training": 8, "benchmarks": 9, "tools": 9, "regenerate": 10, "report": 10}
 
 
