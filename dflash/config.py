@@ -24,8 +24,6 @@ from dflash.target.gguf import is_model_path
 from dflash.util.cli import ConfigError, cli_parser
 from dflash.util.files import output_dir_problem
 
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_BUCKETS = [0, 770, 1216, 1728, 2432, 3296, 8192]
 
 
@@ -66,7 +64,7 @@ class DataArgs:
 @dataclass
 class TrainArgs:
     output_dir: str = field(default="runs/demo")
-    deepspeed_config: str | None = field(default=None, metadata={"help": "DeepSpeed JSON (default: ds_configs/zero1.json on GPU, cpu.json on CPU)"})
+    deepspeed_config: str | None = field(default=None, metadata={"help": "DeepSpeed JSON (default: ZeRO-1 as in ds_configs/zero1.json on GPU, cpu.json on CPU)"})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
     precision: str = field(default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32"})
     target_ranks: str = field(default="colocated", metadata={"help": "colocated | auto | T (ranks running the target)"})
