@@ -10,7 +10,7 @@
 #   DATA=assets/demo/data/train.jsonl MAX_LENGTH=512 bash launch/bench_node.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-.venv/bin/python}
+source launch/python.sh
 OUT=${OUT_DIR:-runs/node}
 N=${NUM_GPUS:-8}
 STEPS=${STEPS:-60}

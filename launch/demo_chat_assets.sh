@@ -16,7 +16,7 @@
 #   SHAREGPT_DIR=runs/sharegpt DEVICE=cuda bash launch/demo_chat_assets.sh   # step 1 made elsewhere
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-.venv/bin/python}
+source launch/python.sh
 RES=${RESULTS:-runs/demo_chat_assets}
 NAME=${NAME:-demo_chat_assets}
 DEVICE=${DEVICE:-cpu}

