@@ -14,7 +14,8 @@ python -m); the imports have no circle (tests/unit/test_layout.py checks all thr
   training    the run: setup, loop, schedules, spike guard, checkpoints, metrics, the memory model
   benchmarks, tools   commands over everything above; nothing imports them
 
-Commands: python -m dflash.eval | dflash.data | dflash.regenerate | dflash.report (regenerate.py and
-report.py here are aliases of dflash/data/regenerate.py and dflash/tools/report.py). A package's
-__main__.py is a command: it may import any layer.
+Commands: python -m dflash.training | dflash.eval | dflash.data | dflash.regenerate | dflash.report,
+installed as dflash-train, dflash-eval, ... (pyproject.toml; regenerate.py and report.py here are
+aliases of dflash/data/regenerate.py and dflash/tools/report.py). A package's __main__.py is a
+command: it may import any layer.
 """
