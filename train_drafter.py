@@ -1,133 +1,17 @@
-"""Train a DFlash drafter for a frozen target LLM.
+"""Train a DFlash drafter for a frozen target LLM: the entry point launchers start
+(`deepspeed train_drafter.py`, `torchrun train_drafter.py`, `accelerate launch train_drafter.py`),
+the same command as `dflash-train`. The code is dflash/training/__main__.py.
 
     python train_drafter.py                      # demo: shipped tiny target + data, CPU or GPU
     python train_drafter.py --target /models/Qwen3-8B --train-data chats.jsonl --output-dir runs/q8b
-    deepspeed --num_gpus 8 train_drafter.py ...  # or torchrun / accelerate launch
     python train_drafter.py config.yaml          # the same flags from a file
 
 `python train_drafter.py --help` lists every flag.
 """
 
-from __future__ import annotations
-
-import faulthandler
-import logging
-import signal
 import sys
-import threading
-import traceback
-from pathlib import Path
 
-from dflash.config import RunConfig, parse_config
-from dflash.data.chat_formats import DataError
-from dflash.placement.topology import TopologyError
-from dflash.target.frozen import TargetError
-from dflash.training.checkpoint import CheckpointError, latest_checkpoint
-from dflash.training.spike import SkippedStepsError
-from dflash.util.cli import ConfigError, user_error
-from dflash.util.files import StorageError
-
-logger = logging.getLogger("train_drafter")
-USER_ERRORS = (ConfigError, DataError, TargetError, TopologyError, CheckpointError, StorageError, SkippedStepsError)
-INTERRUPTED = threading.Event()  # set by on_sigint
-EXIT_INTERRUPTED = 130  # what a shell reports for a command ended by Ctrl-C
-
-
-def on_sigint(signum, frame) -> None:
-    """Ctrl-C: KeyboardInterrupt, as Python's default handler raises, but once: a launcher forwards
-    the signal again, and the second must not cut the wind-down short. A rank blocked in a
-    collective may see the error of a peer that left first; INTERRUPTED tells that apart."""
-    if not INTERRUPTED.is_set():
-        INTERRUPTED.set()
-        raise KeyboardInterrupt
-
-
-def how_to_continue(config: RunConfig) -> str:
-    newest = latest_checkpoint(config.train.output_dir)
-    if newest is None:
-        return ("no checkpoint was saved (pass --save-every N to keep one every N steps): start again "
-                "with the same command plus --overwrite")
-    return f"the newest checkpoint is {newest}: resume with the same command plus --resume"
-
-
-def interrupted_line(config: RunConfig, err: BaseException) -> str:
-    """Where an interrupted run stands and how to continue it, in one line."""
-    step = getattr(err, "step", None)
-    at = f"interrupted at step {step}" if step is not None else "interrupted"
-    return f"{at}; {how_to_continue(config)}"
-
-
-def out_of_memory_line(config: RunConfig, rank: int, err: BaseException) -> str:
-    """A GPU out-of-memory in one line: the flags that size a step, and how to continue."""
-    d, t = config.data, config.train
-    positions = d.max_draft_positions if d.max_draft_positions is not None else "set by the memory model"
-    sized = (f"--max-tokens {d.max_tokens} (padded tokens per micro-batch), --max-draft-positions {positions} and "
-             f"--max-anchors {t.max_anchors}")
-    if t.kl_weight > 0:
-        sized += f", with --kl-weight {t.kl_weight} (the target's final hidden states travel too)"
-    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return f"rank {rank}: out of GPU memory ({first}); a step's size is set by {sized}: lower them; {how_to_continue(config)}"
-
-
-def final_evaluation(config, result, device) -> None:
-    """Untrained vs trained drafter on held-out prompts, by real speculative decoding."""
-    import torch
-
-    from dflash.eval.evaluate import check_lossless, evaluate_drafters, write_reports
-
-    reports = evaluate_drafters(
-        config.model.target, config.model.tokenizer,
-        {"untrained": result.initial_drafter_dir, "trained": result.drafter_dir},
-        config.data.eval_data, config.train.eval_prompts, config.train.eval_max_new_tokens, device,
-        getattr(torch, config.train.eval_dtype), thinking=config.data.thinking,
-    )
-    write_reports(reports, Path(config.train.output_dir) / "eval.json")
-    if not check_lossless(reports):
-        raise RuntimeError("speculative decoding changed the output: this is a bug, please report it")
-
-
-def main(argv: list[str] | None = None) -> int:
-    try:
-        config = parse_config(argv)
-    except USER_ERRORS as err:
-        return user_error(err)
-    from dflash.placement.distributed import abandon, exit_now, init_distributed, shutdown
-    from dflash.training.run import train
-
-    ranks = init_distributed(config.train.device, config.train.dist_timeout_minutes)
-    try:
-        result = train(config, ranks)
-        if ranks.is_main and config.data.eval_data and config.train.eval_prompts > 0:
-            final_evaluation(config, result, ranks.device)
-    except USER_ERRORS as err:
-        logger.error("%s", err)
-        abandon(2)
-        return 2
-    except BaseException as err:
-        import torch  # loaded by the run already
-
-        if isinstance(err, torch.OutOfMemoryError):
-            logger.error("%s", out_of_memory_line(config, ranks.rank, err))
-            abandon(1)
-            return 1
-        if isinstance(err, KeyboardInterrupt) or INTERRUPTED.is_set():
-            if ranks.is_main:
-                logger.warning("%s", interrupted_line(config, err))
-            abandon(EXIT_INTERRUPTED)
-            exit_now(EXIT_INTERRUPTED)
-        # said before the teardown: with a dead peer, tearing NCCL down may never return
-        traceback.print_exc()
-        abandon(1)
-        return 1
-    if not result.targets_finished:  # a stalled target would never reach the final barrier
-        abandon(0)
-        exit_now(0)
-    shutdown()
-    return 0
-
+from dflash.training.__main__ import command
 
 if __name__ == "__main__":
-    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where the shell ignores it
-        signal.signal(signal.SIGINT, on_sigint)
-    sys.exit(main())
+    sys.exit(command())

@@ -21,13 +21,11 @@ from transformers import HfArgumentParser
 from dflash.data.chat_formats import load_chat_jsonl
 from dflash.data.prepare import CUT_REPLY_POLICIES, DEFAULT_CUT_REPLIES
 from dflash.data.thinking import THINKING_FLAG_VALUES, THINKING_HELP
-from dflash.demo import DEMO_HELDOUT_DATA, DEMO_TARGET_DIR, DEMO_TRAIN_DATA
+from dflash.demo import DEMO_HELDOUT_DATA, DEMO_TARGET_DIR, DEMO_TRAIN_DATA, require_demo_assets
 from dflash.target.gguf import is_model_path
 from dflash.util.cli import ConfigError, cli_parser
 from dflash.util.files import output_dir_problem
 
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_BUCKETS = [0, 770, 1216, 1728, 2432, 3296, 8192]
 
 
@@ -70,7 +68,7 @@ class DataArgs:
 @dataclass
 class TrainArgs:
     output_dir: str = field(default="runs/demo")
-    deepspeed_config: str | None = field(default=None, metadata={"help": "DeepSpeed JSON (default: ds_configs/zero1.json on GPU, cpu.json on CPU)"})
+    deepspeed_config: str | None = field(default=None, metadata={"help": "DeepSpeed JSON (default: ZeRO-1 as in ds_configs/zero1.json on GPU, cpu.json on CPU)"})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
     precision: str = field(default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32"})
     target_ranks: str = field(default="colocated", metadata={"help": "colocated | auto | T (ranks running the target)"})
@@ -201,6 +199,7 @@ def fill_defaults(config: RunConfig) -> None:
             if f.name in preset and getattr(part, f.name) is None:
                 setattr(part, f.name, preset[f.name])
     if config.model.target is None:
+        require_demo_assets("--target and --train-data")
         config.model.target = str(DEMO_TARGET_DIR)
         config.data.train_data = config.data.train_data or str(DEMO_TRAIN_DATA)
         config.data.eval_data = config.data.eval_data or str(DEMO_HELDOUT_DATA)

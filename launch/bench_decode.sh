@@ -4,10 +4,10 @@
 # tokens/s with --engine hf on a few prompts and --engine fast on all of them.
 #   TARGET=model.gguf PROMPTS=train_prompts.jsonl HELDOUT=heldout.jsonl RUN_DIR=runs/bench_decode bash launch/bench_decode.sh
 # Knobs: HF_LIMIT=128 (prompts for the slow HF engine), LIMIT=0 (fast engine: 0 = all),
-#        MAX_NEW=384, BATCH_TOKENS=2097152 (regeneration batch, as launch/real.sh), PYTHON (default .venv/bin/python, else python3).
+#        MAX_NEW=384, BATCH_TOKENS=2097152 (regeneration batch, as launch/real.sh), PYTHON (launch/python.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
+source launch/python.sh
 : "${TARGET:?set TARGET}" "${PROMPTS:?set PROMPTS}" "${HELDOUT:?set HELDOUT}"
 OUT=${RUN_DIR:-runs/bench_decode}
 mkdir -p "$OUT"

@@ -7,7 +7,7 @@
 #   PYTHON=python3 bash launch/bench_gpu.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-.venv/bin/python}
+source launch/python.sh
 RES=${RESULTS:-runs/bench/results}
 BENCH=${BENCH_DIR:-runs/bench}
 mkdir -p "$RES"

@@ -6,11 +6,11 @@
 # compared with the uninterrupted auto run's. Ends with one table of draft positions/s per GPU.
 #   PYTHON=python3 NUM_GPUS=8 STEPS=60 bash launch/bench_node.sh
 # TARGET and DATA replace the 8B-shaped assets; LAUNCHER=torchrun replaces the DeepSpeed launcher.
-# A CPU dry run:  LAUNCHER=torchrun NUM_GPUS=2 STEPS=8 TARGET=dflash/demo/target \
-#   DATA=dflash/demo/data/train.jsonl MAX_LENGTH=512 bash launch/bench_node.sh
+# A CPU dry run:  LAUNCHER=torchrun NUM_GPUS=2 STEPS=8 TARGET=assets/demo/target \
+#   DATA=assets/demo/data/train.jsonl MAX_LENGTH=512 bash launch/bench_node.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-.venv/bin/python}
+source launch/python.sh
 OUT=${OUT_DIR:-runs/node}
 N=${NUM_GPUS:-8}
 STEPS=${STEPS:-60}

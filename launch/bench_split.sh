@@ -4,7 +4,7 @@
 # positions/s per GPU.   PYTHON=python3 STEPS=60 bash launch/bench_split.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-.venv/bin/python}
+source launch/python.sh
 OUT=${OUT_DIR:-runs/bench}
 [ -f "$OUT/assets/target/config.json" ] || "$PY" -m dflash.benchmarks.assets --out "$OUT/assets"
 common=(--target "$OUT/assets/target" --train-data "$OUT/assets/train.jsonl" --max-steps "${STEPS:-60}"

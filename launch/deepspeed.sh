@@ -3,4 +3,5 @@
 # Several nodes: put the hosts in a hostfile and add  --hostfile hosts  (see README, "Multi-node").
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec .venv/bin/deepspeed ${HOSTFILE:+--hostfile "$HOSTFILE"} --num_gpus "${NUM_GPUS:-8}" train_drafter.py "$@"
+source launch/python.sh
+exec "$PY" -m deepspeed.launcher.runner ${HOSTFILE:+--hostfile "$HOSTFILE"} --num_gpus "${NUM_GPUS:-8}" train_drafter.py "$@"

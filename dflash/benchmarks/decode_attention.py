@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.target.static import attend
+from dflash.nn.transformer import attend
 from dflash.util.cli import cli_parser
 from dflash.util.runtime import pick_device, setup_logging
 

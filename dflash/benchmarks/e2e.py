@@ -28,7 +28,6 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash.config import REPO_ROOT
 from dflash.training.run_report import PROFILE_AFTER_STEPS
 from dflash.util.cli import cli_parser
 
@@ -79,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
             profile = args.profile_steps if kernels == "fast" else 0
             name = f"{kernels}-{args.emulate_gb:g}gb" if args.emulate_gb else kernels
             run_dir = out / f"e2e-{name}"
-            command = [sys.executable, str(REPO_ROOT / "train_drafter.py"), "--target", str(out / "assets" / "target"),
+            command = [sys.executable, "-m", "dflash.training", "--target", str(out / "assets" / "target"),
                        "--train-data", str(out / "assets" / "train.jsonl"), "--output-dir", str(run_dir),
                        "--overwrite", "--max-steps", str(args.steps), "--log-every", str(args.log_every),
                        "--eval-prompts", "0", "--report-to", "none", "--kernels", kernels,

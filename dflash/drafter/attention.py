@@ -1,4 +1,4 @@
-"""The DFlash attention pattern and the two kernels that run it.
+"""The DFlash attention pattern, as the mask each of the two kernels takes.
 
 Keys are laid out as `[context (S positions) ; blocks (N blocks x B slots)]` and queries are the
 block slots only. A query in block n, whose anchor is `a_n`, sees
@@ -9,7 +9,7 @@ block slots only. A query in block n, whose anchor is `a_n`, sees
   - nothing of any other block.
 
 CPU (and fallback): a dense boolean mask with SDPA. CUDA: flex attention with a block mask,
-which skips the ~85% of tiles that are fully masked.
+which skips the ~85% of tiles that are fully masked. Both run through dflash.nn.transformer.attend.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
@@ -106,35 +105,6 @@ def flex_block_mask(layout: BlockLayout, num_query: int):
     return create_block_mask(
         mask_mod, B=b, H=None, Q_LEN=num_query, KV_LEN=s + num_query, device=anchors.device
     )
-
-
-_compiled_flex = None
-
-
-def _flex_attention():
-    """flex_attention is only fast when compiled; compile once per process. Dynamic shapes:
-    every micro-batch has its own length and block count, and a static compile would recompile
-    each step (measured on an H200 with varying shapes: 40 graphs and 377 ms/step static vs
-    2 graphs and 40 ms/step dynamic)."""
-    global _compiled_flex
-    if _compiled_flex is None:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        _compiled_flex = torch.compile(flex_attention, dynamic=True)
-    return _compiled_flex
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
-    """q [b, Hq, Q, d], k/v [b, Hkv, K, d]; mask is a dense bool tensor, a BlockMask or None."""
-    if mask is None or isinstance(mask, torch.Tensor):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    if torch.compiler.is_compiling():
-        # inside a compiled layer flex attention is compiled with it; reading the module global
-        # here would add a guard, and one more compiled variant of every layer
-        from torch.nn.attention.flex_attention import flex_attention
-
-        return flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
-    return _flex_attention()(q, k, v, block_mask=mask, enable_gqa=True)
 
 
 def build_mask(layout: BlockLayout, backend: str):

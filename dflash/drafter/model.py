@@ -17,13 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen3Config
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
 
-from dflash.drafter.attention import attend
+from dflash.nn.transformer import RMSNorm, RotaryAngles, attend, rotate
 
 
 def full_attention_rope(text_config) -> dict:
@@ -75,44 +73,6 @@ def drafter_config(
     return config
 
 
-class RotaryAngles:
-    """cos/sin tables of the configured RoPE. The inverse frequencies live outside the module
-    tree on purpose: a bf16 cast of the drafter (DeepSpeed does one) must not round them."""
-
-    def __init__(self, config: Qwen3Config):
-        rope_type = config.rope_parameters.get("rope_type", "default")
-        if rope_type == "default":
-            init = Qwen3RotaryEmbedding.compute_default_rope_parameters
-        else:
-            init = ROPE_INIT_FUNCTIONS[rope_type]
-        inv_freq, self.scaling = init(config)
-        self.inv_freq = inv_freq.float()
-
-    def __call__(self, positions: torch.Tensor, dtype: torch.dtype):
-        """positions [b, T] -> cos, sin [b, T, d] in `dtype`."""
-        if self.inv_freq.device != positions.device:
-            self.inv_freq = self.inv_freq.to(positions.device)
-        angles = positions[..., None].float() * self.inv_freq
-        angles = torch.cat([angles, angles], dim=-1)
-        return (angles.cos() * self.scaling).to(dtype), (angles.sin() * self.scaling).to(dtype)
-
-
-class RMSNorm(Qwen3RMSNorm):
-    """Qwen3's RMSNorm (the same weight under the same name, so checkpoints and serving engines
-    see no difference) in one fused call: HF's takes six kernels, and a proposal at batch 1 is
-    bound by its kernel count (5 layers x 4 norms each)."""
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(hidden_states, (hidden_states.shape[-1],), self.weight, self.variance_epsilon)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on x [b, H, T, d] with cos/sin [b, T, d] for the positions of those T entries."""
-    cos, sin = cos[:, None], sin[:, None]
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
-
-
 class DFlashAttention(nn.Module):
     """GQA attention whose keys/values are the projected context followed by the block."""
 
@@ -151,10 +111,8 @@ class DFlashAttention(nn.Module):
         else:
             context_k.index_copy_(2, columns, k)
             context_v.index_copy_(2, columns, v)
-            # the query heads that share a key/value head are rows of it: no copy of the cache per
-            # head, and SDPA's fused kernels take it (with GQA and a mask it would fall back to math)
-            rows = q.reshape(b, self.num_kv_heads, -1, d)
-            out = F.scaled_dot_product_attention(rows, context_k, context_v, attn_mask=mask).reshape(b, -1, t, d)
+            rows = q.reshape(b, self.num_kv_heads, -1, d)  # the heads that share a key/value head: rows of it
+            out = attend(rows, context_k, context_v, mask).reshape(b, -1, t, d)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -223,11 +181,8 @@ class DFlashDrafter(nn.Module):
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=std)
-            elif isinstance(module, Qwen3RMSNorm):
+            elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
-
-    def _cos_sin(self, x: torch.Tensor, positions: torch.Tensor):
-        return self.rotary(positions, x.dtype)
 
     def fuse_context(self, features: torch.Tensor) -> torch.Tensor:
         """[b, S, K*D] target features -> [b, S, D] context vectors."""
@@ -248,8 +203,8 @@ class DFlashDrafter(nn.Module):
         Returns the final-normed hidden states [b, Q, D].
         """
         context = self.fuse_context(context_features)
-        ctx_cos, ctx_sin = self._cos_sin(context, context_positions)
-        cos, sin = self._cos_sin(block_embeds, block_positions)
+        ctx_cos, ctx_sin = self.rotary(context_positions, context.dtype)
+        cos, sin = self.rotary(block_positions, block_embeds.dtype)
         x = block_embeds.to(context.dtype)
         for layer in self.layers:
             ck, cv = layer.self_attn.key_values(context, ctx_cos, ctx_sin)
@@ -260,7 +215,7 @@ class DFlashDrafter(nn.Module):
     def extend_context(self, cache: DrafterCache, features: torch.Tensor, positions: torch.Tensor) -> None:
         """Write tokens' target features [b, T, K*D] at `positions` [1, T] (one set for all rows)."""
         context = self.fuse_context(features)
-        cos, sin = self._cos_sin(context, positions)
+        cos, sin = self.rotary(positions, context.dtype)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.key_values(context, cos, sin)
             cache.keys[i].index_copy_(2, positions[0], k)
@@ -283,7 +238,7 @@ class DFlashDrafter(nn.Module):
         rows = self.config.num_attention_heads // self.config.num_key_value_heads * len(columns)
         mask = torch.zeros(cache.capacity, dtype=dtype, device=columns.device).masked_fill_(~sees, float("-inf"))
         mask = mask.expand(block_embeds.shape[0], 1, rows, -1)  # one additive mask for every layer
-        cos, sin = self._cos_sin(block_embeds, block_positions)
+        cos, sin = self.rotary(block_positions, block_embeds.dtype)
         x = block_embeds.to(dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache.keys[i], cache.values[i], mask, columns)

@@ -21,7 +21,7 @@ import torch
 from dflash.config import EVAL_FLAGS, check_eval_flags
 from dflash.data.chat_formats import DataError
 from dflash.data.thinking import THINKING_HELP
-from dflash.demo import DEMO_HELDOUT_DATA, DEMO_TARGET_DIR
+from dflash.demo import DEMO_HELDOUT_DATA, DEMO_TARGET_DIR, require_demo_assets
 from dflash.drafter.export import DrafterLoadError
 from dflash.eval.evaluate import check_lossless, evaluate_drafters, write_reports
 from dflash.eval.speculative import DECODERS
@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     (args,) = cli_parser(EvalArgs).parse_args_into_dataclasses(argv)
     setup_logging(0)
     try:
+        if args.target == str(DEMO_TARGET_DIR) or args.prompts == str(DEMO_HELDOUT_DATA):  # the defaults
+            require_demo_assets("--target, --drafter and --prompts")
         check_eval_flags(args.prompts, args.num_prompts, args.max_new_tokens, args.dtype, EVAL_FLAGS, min_prompts=1)
         if args.decoder not in DECODERS:
             raise ValueError(f"--decoder {args.decoder}: use one of {', '.join(DECODERS)}")

@@ -2,5 +2,5 @@
 (gguf), the forward over a static KV cache (static) replayed as CUDA graphs (graphs), and batched
 greedy generation on it (generate).
 
-May import: dflash.util.
+May import: dflash.util, dflash.nn (the transformer math static.py runs).
 """

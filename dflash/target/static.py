@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dflash.nn.transformer import attend, rms_norm, rotate
 from dflash.target.frozen import FrozenTarget, TargetError
 from dflash.target.graphs import GraphReplays
 from dflash.target.sampling import Sampling
@@ -63,25 +64,6 @@ def fused_rows(module: torch.nn.Module, name: str, linears: list[torch.nn.Linear
 
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
-
-
-def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """An HF RMSNorm module's computation in one call (HF's own takes six kernels)."""
-    return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """RoPE in HF's half-rotation convention, x * cos + rotate_half(x) * sin, with rotate_half(x)
-    = roll(x) * [-1..., +1...] folded into `sin_signed`."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
-
-
-def attend(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention over the cache, GQA without copying it: the query heads that share a key/value
-    head are rows of it, [b, Hkv, group x T, d] against keys/values [b, Hkv, span, d], under an
-    additive mask [b, 1, group x T, span]. (dflash.benchmarks.decode_attention times this call
-    against other kernels: in batched regeneration it is most of a step.)"""
-    return F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, scale=scale)
 
 
 class StaticTarget:

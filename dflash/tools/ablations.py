@@ -30,7 +30,6 @@ from pathlib import Path
 
 import torch
 
-from dflash.config import REPO_ROOT
 from dflash.util.cli import cli_parser
 
 # Every run starts from these flags (--baseline), so the table stays one baseline as defaults
@@ -78,14 +77,14 @@ def train_once(folder: Path, flags: list[str], seed: int, extra: str, gpu: int |
     """Train one run (on the given GPU, if any) unless its eval.json exists."""
     if (folder / "eval.json").is_file():
         return
-    cmd = [sys.executable, str(REPO_ROOT / "train_drafter.py"), "--output-dir", str(folder), "--overwrite",
+    cmd = [sys.executable, "-m", "dflash.training", "--output-dir", str(folder), "--overwrite",
            "--report-to", "none", "--seed", str(seed), *shlex.split(baseline), *flags, *shlex.split(extra)]
     env = dict(os.environ) if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
     folder.mkdir(parents=True, exist_ok=True)
     with (folder.parent / f"{folder.name}.log").open("w") as log:
         log.write(f"$ {shlex.join(cmd)}\n")
         log.flush()
-        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}); see {folder.parent / folder.name}.log")
 

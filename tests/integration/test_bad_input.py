@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import train_drafter
+from dflash.training import __main__ as train_drafter
 from conftest import tiny_causal_lm
 from dflash.target.frozen import TargetError, resolve_mask_token_id
 from tiny_tokenizer import make_tiny_tokenizer
@@ -291,7 +291,7 @@ def test_running_out_of_gpu_memory_names_the_flags_that_size_a_step(tiny_setup, 
     monkeypatch.setattr(run, "train", out_of_memory)
     assert train_drafter.main(tiny_args(tiny_setup, tmp_path / "run", "--kl-weight", "1")) == 1
     err = capfd.readouterr().err
-    lines = [line.split("ERROR train_drafter: ")[-1] for line in err.splitlines() if "out of GPU memory" in line]
+    lines = [line.split("ERROR dflash.train: ")[-1] for line in err.splitlines() if "out of GPU memory" in line]
     assert "Traceback" not in err
     assert lines == ["rank 0: out of GPU memory (CUDA out of memory. Tried to allocate 768.00 MiB. GPU 0 has ...); "
                      "a step's size is set by --max-tokens 256 (padded tokens per micro-batch), --max-draft-positions "

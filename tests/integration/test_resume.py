@@ -207,7 +207,7 @@ def test_ctrl_c_ends_every_rank_with_one_line_naming_the_checkpoint(tiny_setup, 
 
 def test_an_interrupt_before_any_checkpoint_says_how_to_keep_one(tmp_path):
     from dflash.training.run import Interrupted
-    from train_drafter import interrupted_line
+    from dflash.training.__main__ import interrupted_line
 
     config = SimpleNamespace(train=SimpleNamespace(output_dir=str(tmp_path)))
     assert interrupted_line(config, Interrupted(3)) == (

@@ -10,7 +10,7 @@ from pathlib import Path
 DFLASH = Path(__file__).resolve().parents[2] / "dflash"
 
 # Lowest first; a module may import its own subpackage and those of a lower rank (dflash/__init__.py).
-RANK = {"util": 0, "target": 1, "data": 2, "demo": 3, "drafter": 4, "placement": 5, "config": 6, "eval": 7,
+RANK = {"util": 0, "nn": 0, "target": 1, "data": 2, "demo": 3, "drafter": 4, "placement": 5, "config": 6, "eval": 7,
         "training": 8, "benchmarks": 9, "tools": 9, "regenerate": 10, "report": 10}
 
 
@@ -18,8 +18,6 @@ def modules() -> dict[str, Path]:
     out = {}
     for path in DFLASH.rglob("*.py"):
         rel = path.relative_to(DFLASH.parent).with_suffix("")
-        if rel.parts[1:2] == ("demo",) and rel.parts[2:3] in (("data",), ("target",)):
-            continue
         parts = list(rel.parts)
         if parts[-1] == "__init__":
             parts.pop()
@@ -113,3 +111,12 @@ def test_the_top_level_holds_subpackages_and_at_most_four_modules():
         if package.is_dir() and package.name != "__pycache__":
             init = package / "__init__.py"
             assert init.exists() and ast.get_docstring(ast.parse(init.read_text())), f"{package}: docstring"
+
+
+def test_the_package_holds_no_weights_or_data_files():
+    """Code only: the demo's target and data live in assets/demo/, beside the package."""
+    from dflash.demo import DEMO_TARGET_DIR
+
+    heavy = [p for p in DFLASH.rglob("*") if p.suffix in (".safetensors", ".bin", ".gguf", ".pt", ".jsonl", ".png")]
+    assert not heavy, heavy
+    assert DFLASH.resolve() not in DEMO_TARGET_DIR.resolve().parents and (DEMO_TARGET_DIR / "config.json").is_file()

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.drafter.attention import BlockLayout, attend, dense_block_mask, flex_block_mask
+from dflash.drafter.attention import BlockLayout, dense_block_mask, flex_block_mask
+from dflash.nn.transformer import attend
 
 pytestmark = pytest.mark.gpu
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import REPO, free_port
-from dflash.training.drafter_setup import deepspeed_config, train_dtype
+from dflash.training.drafter_setup import default_deepspeed_config, deepspeed_config, train_dtype
 
 ENGINE_PRECISION = """
 import json, os, sys, torch, deepspeed
@@ -43,6 +43,13 @@ def test_auto_fields_are_filled_from_the_flags():
     assert config["bf16"]["enabled"] is False  # CPU trains in fp32 by default
     assert config["checkpoint"]["tag_validation"] == "Ignore"
     assert train_dtype(SimpleNamespace(train=train), torch.device("cuda")) == torch.bfloat16
+
+
+@pytest.mark.parametrize("device, copy", [("cuda", "zero1.json"), ("cpu", "cpu.json")])
+def test_the_default_deepspeed_settings_are_built_in_and_ds_configs_writes_them_out(device, copy):
+    """An installed package has no ds_configs/: the default is built in code, and the files users
+    start from say the same."""
+    assert default_deepspeed_config(torch.device(device)) == json.loads((REPO / "ds_configs" / copy).read_text())
 
 
 def test_precision_bf16_on_cpu_enables_bf16_and_a_contradicting_config_is_refused(tmp_path):

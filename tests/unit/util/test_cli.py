@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import train_drafter
+from dflash.training import __main__ as train_drafter
 
 COMMANDS = ["eval.__main__", "regenerate", "data.sharegpt", "tools.ablations", "benchmarks.step", "benchmarks.data",
             "benchmarks.decode", "benchmarks.e2e", "benchmarks.assets", "benchmarks.checkpoint",

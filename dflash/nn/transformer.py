@@ -1,0 +1,96 @@
+"""Rotary position embedding, RMSNorm and grouped-query attention: the Llama / Qwen3 modeling
+files' computations (apply_rotary_pos_emb, Qwen3RMSNorm, eager attention with repeat_kv) in one
+or two calls each, because a decode step is bound by its kernel count. tests/unit/nn/ holds them
+to HF's numbers; the drafter's layers and the target's fast decoder both run them."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
+
+
+def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """An HF RMSNorm module's computation (its `weight` and `variance_epsilon`) in one fused call
+    (HF's own takes six kernels)."""
+    return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+
+
+class RMSNorm(Qwen3RMSNorm):
+    """Qwen3's RMSNorm (the same weight under the same name, so checkpoints and serving engines
+    see no difference) as `rms_norm`'s one call."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return rms_norm(self, hidden_states)
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin [..., d] with the signs of HF's rotate_half folded in (see `rotate`)."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """RoPE in HF's half-rotation convention, x * cos + rotate_half(x) * sin, with rotate_half(x)
+    = roll(x) * [-1..., +1...] folded into `sin_signed` (`signed_sin`): two kernels. x [b, H, T, d],
+    cos and sin_signed broadcast to it ([b, 1, T, d])."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
+
+
+class RotaryAngles:
+    """A config's RoPE as the tables `rotate` takes. The inverse frequencies live outside any
+    module tree on purpose: a bf16 cast of the model (DeepSpeed does one) must not round them."""
+
+    def __init__(self, config):
+        rope_type = config.rope_parameters.get("rope_type", "default")
+        if rope_type == "default":
+            init = Qwen3RotaryEmbedding.compute_default_rope_parameters
+        else:
+            init = ROPE_INIT_FUNCTIONS[rope_type]
+        inv_freq, self.scaling = init(config)
+        self.inv_freq = inv_freq.float()
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [b, T] -> cos, sin_signed [b, 1, T, d] in `dtype`."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        angles = positions[..., None].float() * self.inv_freq
+        angles = torch.cat([angles, angles], dim=-1)
+        cos, sin = angles.cos() * self.scaling, angles.sin() * self.scaling
+        return cos.to(dtype)[:, None], signed_sin(sin).to(dtype)[:, None]
+
+
+_compiled_flex = None
+
+
+def _flex_attention():
+    """flex_attention is only fast when compiled; compile once per process. Dynamic shapes:
+    every micro-batch has its own length and block count, and a static compile would recompile
+    each step (measured on an H200 with varying shapes: 40 graphs and 377 ms/step static vs
+    2 graphs and 40 ms/step dynamic)."""
+    global _compiled_flex
+    if _compiled_flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _compiled_flex = torch.compile(flex_attention, dynamic=True)
+    return _compiled_flex
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, scale: float | None = None) -> torch.Tensor:
+    """Attention of queries q [b, Hq, T, d] over keys/values [b, Hkv, S, d], query head h served
+    by key/value head h // (Hq / Hkv), as HF's repeat_kv does; scale defaults to d ** -0.5.
+    `mask`: None, a tensor for SDPA [b, 1, T, S] (boolean, True = may attend, or additive), or a
+    flex-attention BlockMask (CUDA). Decoding passes the query heads that share a key/value head
+    as rows of it, q [b, Hkv, group x T, d] (a reshape of [b, Hq, T, d]; row r x T + t is head
+    g x group + r at position t) under a mask of as many rows: no copy of the keys/values per head,
+    and SDPA's fused kernels take it (with grouped heads and a mask they fall back to math)."""
+    if mask is None or isinstance(mask, torch.Tensor):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    if torch.compiler.is_compiling():
+        # inside a compiled layer flex attention is compiled with it; reading the module global
+        # here would add a guard, and one more compiled variant of every layer
+        from torch.nn.attention.flex_attention import flex_attention
+
+        return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
+    return _flex_attention()(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
