@@ -71,20 +71,24 @@ class Blocks:
     input_ids: torch.Tensor  # [b, Q] anchor token then mask tokens
     positions: torch.Tensor  # [b, Q] absolute position a + j
     labels: torch.Tensor  # [b, Q] x[a + j] (0 where out of range)
-    label_mask: torch.Tensor  # [b, Q] scored: real block, j >= 1, a + j in the response
+    label_mask: torch.Tensor  # [b, Q] scored: real block, j >= 1, a..a + j all in the loss mask
 
 
 def build_blocks(
     input_ids: torch.Tensor, loss_mask: torch.Tensor, layout: BlockLayout, mask_token_id: int
 ) -> Blocks:
-    """Block inputs `[x_a, MASK, ...]`, positions and labels: slot j is scored on x[a + j]."""
+    """Block inputs `[x_a, MASK, ...]`, positions and labels: slot j is scored on x[a + j] when every
+    position a..a+j is in the loss mask. A block stays inside its reply: with several replies in
+    the loss (--loss-turns all), one anchored near a reply's end never scores the next reply,
+    which lies past a user turn the drafter would have to guess (and never drafts at serving)."""
     s, block_size = input_ids.shape[1], layout.block_size
     j = torch.arange(block_size, device=input_ids.device)
     positions = layout.anchors[:, :, None] + j  # [b, N, B]
     in_range = positions < s
     safe = positions.clamp(max=s - 1)
     labels = input_ids.gather(1, safe.flatten(1)).view_as(positions)
-    scored = loss_mask.gather(1, safe.flatten(1)).view_as(positions) & in_range
+    in_reply = loss_mask.gather(1, safe.flatten(1)).view_as(positions) & in_range
+    scored = in_reply.long().cumprod(dim=-1).bool()  # the run of masked positions from the anchor on
     scored &= layout.valid[:, :, None] & (j >= 1)
     block_ids = torch.full_like(positions, mask_token_id)
     block_ids[:, :, 0] = labels[:, :, 0]
