@@ -23,8 +23,12 @@ def fit(step, input_ids, loss_mask, features, steps: int = 60) -> None:
 def test_chain_walk_follows_decoding():
     # anchored at 0: 2 accepted, the target adds one token -> next anchor 3: 0 accepted -> 4: 5 -> 10
     streaks = [2, 9, 9, 0, 5, 9, 9, 9, 9, 9, 1, 1]
-    assert chain_walk(streaks, produced=10) == [2, 0, 5]  # 10 reply tokens exist after that cycle
-    assert chain_walk(streaks, produced=12) == [2, 0, 5, 1]  # one more cycle, its block runs past the end
+    assert chain_walk(streaks, produced=11) == [2, 0, 5]  # 11 reply tokens exist after that cycle
+    # the reply ends (end of sequence, or max_new_tokens) inside a cycle: its tokens past the end do
+    # not count, the bonus first (at 4: drafts 5..9 kept, 10 not), then the drafts (at 10: only 11)
+    assert chain_walk(streaks, produced=10) == [2, 0, 4]
+    assert chain_walk(streaks, produced=12) == [2, 0, 5, 0]
+    assert chain_walk([9] * 20, produced=4) == [2]  # an early end: the first cycle keeps 3 tokens
     assert chain_walk([0, 0, 0], produced=3) == [0, 0]
     assert chain_walk([4], produced=1) == []  # the prompt's forward made the only token
 
