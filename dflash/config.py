@@ -290,9 +290,11 @@ def check_no_ignored_flags(t: TrainArgs) -> None:
                  f"--{name.replace('_', '-')} {getattr(t, name)}: only {by} uses it; add that or leave it out")
 
 
-def check_deepspeed_config(path: str) -> None:
+def check_deepspeed_config(path: str, grad_accum: int = 1) -> None:
     """A JSON object whose ZeRO stage keeps the drafter's weights whole on every rank. Stage 3
-    partitions the weights themselves: the run would train and export empty tensors."""
+    partitions the weights themselves: the run would train and export empty tensors. With
+    gradient accumulation, stage 1 or 2: their loss scale is how a step leaves a skipped
+    micro-batch out of its mean (dflash/training/spike.py gradient_scaled)."""
     try:
         ds = json.loads(Path(path).read_text())
     except (OSError, ValueError) as err:
@@ -304,6 +306,9 @@ def check_deepspeed_config(path: str) -> None:
              f"--deepspeed-config {path}: zero_optimization.stage {stage!r} is not supported; use stage 1 or 2 "
              "(ds_configs/zero1.json, ds_configs/zero2.json). The drafter is small: what ZeRO shards here is its "
              "optimizer state (stage 1) and gradients (stage 2), while every rank keeps the whole drafter")
+    _require(grad_accum == 1 or stage in (1, 2),
+             f"--deepspeed-config {path}: zero_optimization.stage {stage!r} with --grad-accum {grad_accum}: gradient "
+             "accumulation needs ZeRO stage 1 or 2 (ds_configs/zero1.json), or pass --grad-accum 1")
 
 
 def validate(config: RunConfig, for_training: bool = True) -> None:
@@ -354,7 +359,7 @@ def validate(config: RunConfig, for_training: bool = True) -> None:
     _require(t.kl_weight >= 0 and t.feature_noise_std >= 0, "--kl-weight and --feature-noise-std must be >= 0")
     _require(t.device in ("auto", "cpu", "cuda"), f"--device {t.device}: use auto, cpu or cuda")
     if t.deepspeed_config is not None:
-        check_deepspeed_config(t.deepspeed_config)
+        check_deepspeed_config(t.deepspeed_config, t.grad_accum)
     _require(t.device != "cuda" or torch.cuda.is_available(),
              "--device cuda: no CUDA device is visible on this machine; use --device cpu (or auto), or check "
              "CUDA_VISIBLE_DEVICES and the driver (nvidia-smi)")

@@ -6,6 +6,7 @@ Q = N * B query positions per sequence.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -153,6 +154,24 @@ class LossTerms:
     kind: str = "ce"  # ce (slot weights) | dpace | ce+dpace
     dpace_alpha: float = 0.5
     dpace_weight: float = 1.0  # of the D-PACE term in ce+dpace
+
+
+def kept_gradient_scale(per_micro: torch.Tensor, skipped: list[bool], terms: LossTerms,
+                        kl_weight: float) -> float | None:
+    """The factor that turns an optimizer step's gradient, accumulated with the denominators of
+    all its micro-batches (`per_micro` [n, 2]: each one's weight and position sums over the
+    drafter ranks), into the mean over the micro-batches kept (`skipped`: a flag each). None where
+    no factor does, and the step is skipped whole: nothing kept to learn from, or a loss over both
+    normalisers (CE or KL over weights, D-PACE over positions) that the skips changed unequally."""
+    if not any(skipped):
+        return 1.0
+    kept = ~torch.tensor(skipped, device=per_micro.device)
+    total, left = per_micro.double().sum(0), per_micro.double()[kept].sum(0)
+    used = [i for i, on in enumerate((terms.kind != "dpace" or kl_weight > 0, terms.kind != "ce")) if on]
+    if any(float(left[i]) <= 0 for i in used):
+        return None
+    ratios = [float(total[i] / left[i]) for i in used]
+    return ratios[0] if all(math.isclose(r, ratios[0], rel_tol=1e-12) for r in ratios) else None
 
 
 def dflash_loss(

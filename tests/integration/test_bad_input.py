@@ -242,6 +242,16 @@ def test_zero_stage_3_is_refused_at_start(capsys, paths):
                "(ds_configs/zero1.json, ds_configs/zero2.json)", "what ZeRO shards here is its optimizer state")
 
 
+def test_gradient_accumulation_without_zero_is_refused_at_start(capsys, paths):
+    """A step leaves a skipped micro-batch out of its mean through ZeRO's loss scale."""
+    ds = paths["tmp"] / "zero0.json"
+    ds.write_text('{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0}}')
+    fails_with(capsys, ["--target", paths["target"], "--train-data", paths["data"], "--deepspeed-config", str(ds),
+                        "--grad-accum", "2"],
+               f"--deepspeed-config {ds}: zero_optimization.stage 0 with --grad-accum 2: gradient accumulation needs "
+               "ZeRO stage 1 or 2")
+
+
 def test_a_mask_token_the_target_emits_or_reads_is_refused():
     import re
 
