@@ -27,6 +27,7 @@ from dflash.util.files import output_dir_problem
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_BUCKETS = [0, 770, 1216, 1728, 2432, 3296, 8192]
+DEFAULT_SAVE_MINUTES = 30.0  # a week-long run keeps a checkpoint this often unless told otherwise
 
 
 @dataclass
@@ -98,7 +99,8 @@ class TrainArgs:
     log_every: int = 10
     profile_steps: int = field(default=0, metadata={"help": "profile this many optimizer steps after the first 20 (GPU): <output-dir>/profile/"})
     spike_factor: float = field(default=3.0, metadata={"help": "skip a micro-batch whose loss exceeds this x the running mean (0: only NaN/inf)"})
-    save_every: int = field(default=0, metadata={"help": "checkpoint every N optimizer steps (0: never)"})
+    save_every: int | None = field(default=None, metadata={"help": "checkpoint every N optimizer steps (default: by time, see --save-every-minutes; 0: no periodic checkpoints at all)"})
+    save_every_minutes: float | None = field(default=None, metadata={"help": f"checkpoint every M minutes of training (default {DEFAULT_SAVE_MINUTES:g}, unless --save-every N is given; both: whichever comes first)"})
     keep_checkpoints: int = field(default=3, metadata={"help": "keep the newest N complete checkpoints"})
     resume: bool = field(default=False, metadata={"help": "continue from the newest complete checkpoint in --output-dir"})
     overwrite: bool = field(default=False, metadata={"help": "start afresh in an --output-dir that holds an earlier run (its metrics, checkpoints and drafters are deleted)"})
@@ -203,6 +205,25 @@ def fill_defaults(config: RunConfig) -> None:
     config.model.tokenizer = config.model.tokenizer or config.model.target
     if config.data.train_data is None:
         raise ConfigError("--train-data is required with --target: pass a chat JSONL file")
+    settle_checkpoint_schedule(config.train)
+
+
+def settle_checkpoint_schedule(t: TrainArgs) -> None:
+    """Periodic checkpoints are on unless turned off: every DEFAULT_SAVE_MINUTES by default, or
+    as --save-every (steps) and --save-every-minutes say; --save-every 0 turns them all off. After
+    this, 0 in either field means that clock does not save."""
+    _require(t.save_every is None or t.save_every >= 0,
+             f"--save-every {t.save_every}: use a positive step count, or 0 for no periodic checkpoints")
+    _require(t.save_every_minutes is None or (math.isfinite(t.save_every_minutes) and t.save_every_minutes > 0),
+             f"--save-every-minutes {t.save_every_minutes}: use a positive number of minutes (--save-every 0 turns "
+             "periodic checkpoints off)")
+    _require(t.save_every != 0 or t.save_every_minutes is None,
+             f"--save-every 0 turns periodic checkpoints off, --save-every-minutes {t.save_every_minutes} asks for "
+             "them: pass one of the two")
+    if t.save_every_minutes is None:
+        t.save_every_minutes = DEFAULT_SAVE_MINUTES if t.save_every is None else 0.0
+    if t.save_every is None:
+        t.save_every = 0
 
 
 RUN_FILES = ("metrics.jsonl", "target_metrics", "checkpoints", "drafter", "drafter-init", "eval.json")
@@ -346,7 +367,6 @@ def validate(config: RunConfig, for_training: bool = True) -> None:
     _require(t.target_ranks in ("colocated", "auto") or t.target_ranks.isdigit(),
              f"--target-ranks {t.target_ranks}: use colocated, auto, or a number of ranks")
     _require(t.spike_factor == 0 or t.spike_factor > 1, f"--spike-factor {t.spike_factor}: use 0 (NaN/inf only) or > 1")
-    _require(t.save_every >= 0, f"--save-every {t.save_every}: use 0 (off) or a positive step count")
     _require(t.keep_checkpoints >= 1, f"--keep-checkpoints {t.keep_checkpoints}: keep at least 1")
     _require(t.credits >= 1, f"--credits {t.credits}: need at least 1")
     _require(t.grad_accum >= 1, f"--grad-accum {t.grad_accum}: need at least 1")

@@ -143,7 +143,8 @@ def build_drafter_run(ctx: RankContext) -> DrafterRun:
     if config.train.resume:
         start_epoch, total_steps = resume(ctx, newest, engine, sampler, lr_schedule, steps_per_epoch, guard, tally)
     checkpointer = Checkpointer(engine, ctx.out_dir, config.train.save_every, config.train.keep_checkpoints,
-                                drafter_rank, len(topology.drafter_ranks), ctx.data_group)
+                                drafter_rank, len(topology.drafter_ranks), ctx.data_group,
+                                minutes=config.train.save_every_minutes)
     return DrafterRun(
         engine=engine, sampler=sampler, step=DrafterStep(engine.module, embed, lm_head, settings, forward=engine),
         scheduler=scheduler, checkpointer=checkpointer, guard=guard, tally=tally, anchors=anchors,

@@ -191,7 +191,7 @@ class StepTally:
                     f"first at step {skipped[0][0]}")
             otherwise = "; else bad data (the warnings above name the skipped steps)"
         kept = (f"The newest checkpoint is {checkpoint}" if checkpoint is not None
-                else "No checkpoint was saved (--save-every N keeps one every N steps)")
+                else "No checkpoint was saved (one is kept every --save-every-minutes M, or --save-every N steps)")
         return SkippedStepsError(
             f"training stopped: {seen}; trained {self.summary()} in all. Likely cause: the learning rate is too high "
             f"(--lr {lr:g}): start again with a lower --lr (and --overwrite){otherwise}. No drafter was exported. "

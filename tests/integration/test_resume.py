@@ -236,5 +236,5 @@ def test_an_interrupt_before_any_checkpoint_says_how_to_keep_one(tmp_path):
 
     config = SimpleNamespace(train=SimpleNamespace(output_dir=str(tmp_path)))
     assert interrupted_line(config, Interrupted(3)) == (
-        "interrupted at step 3; no checkpoint was saved (pass --save-every N to keep one every N steps): start "
-        "again with the same command plus --overwrite")
+        "interrupted at step 3; no checkpoint was saved (one is kept every --save-every-minutes M, or --save-every "
+        "N steps): start again with the same command plus --overwrite")

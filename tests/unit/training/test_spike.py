@@ -102,7 +102,8 @@ def test_the_tally_counts_trained_and_skipped_steps_and_names_the_cause():
                               "1 step, skipped 3 in all."), message
     assert "(--lr 1e+09): start again with a lower --lr (and --overwrite); else bad data" in message
     assert message.endswith("The newest checkpoint is runs/x/checkpoints/step_1")
-    assert "No checkpoint was saved (--save-every N keeps one every N steps)" in str(tally.error(1e9, None))
+    assert "No checkpoint was saved (one is kept every --save-every-minutes M, or --save-every N steps)" in str(
+        tally.error(1e9, None))
     assert "No drafter was exported" in message
 
 
