@@ -27,6 +27,7 @@ from dflash.util.cli import ConfigError, cli_parser
 from dflash.util.files import output_dir_problem
 
 DEFAULT_BUCKETS = [0, 770, 1216, 1728, 2432, 3296, 8192]
+DEFAULT_SAVE_MINUTES = 30.0  # a week-long run keeps a checkpoint this often unless told otherwise
 
 
 @dataclass
@@ -100,7 +101,8 @@ class TrainArgs:
     log_every: int = 10
     profile_steps: int = field(default=0, metadata={"help": "profile this many optimizer steps after the first 20 (GPU): <output-dir>/profile/"})
     spike_factor: float = field(default=3.0, metadata={"help": "skip a micro-batch whose loss exceeds this x the running mean (0: only NaN/inf)"})
-    save_every: int = field(default=0, metadata={"help": "checkpoint every N optimizer steps (0: never)"})
+    save_every: int | None = field(default=None, metadata={"help": "checkpoint every N optimizer steps (default: by time, see --save-every-minutes; 0: no periodic checkpoints at all)"})
+    save_every_minutes: float | None = field(default=None, metadata={"help": f"checkpoint every M minutes of training (default {DEFAULT_SAVE_MINUTES:g}, unless --save-every N is given; both: whichever comes first)"})
     keep_checkpoints: int = field(default=3, metadata={"help": "keep the newest N complete checkpoints"})
     resume: bool = field(default=False, metadata={"help": "continue from the newest complete checkpoint in --output-dir"})
     overwrite: bool = field(default=False, metadata={"help": "start afresh in an --output-dir that holds an earlier run (its metrics, checkpoints and drafters are deleted)"})
@@ -206,6 +208,25 @@ def fill_defaults(config: RunConfig) -> None:
     config.model.tokenizer = config.model.tokenizer or config.model.target
     if config.data.train_data is None:
         raise ConfigError("--train-data is required with --target: pass a chat JSONL file")
+    settle_checkpoint_schedule(config.train)
+
+
+def settle_checkpoint_schedule(t: TrainArgs) -> None:
+    """Periodic checkpoints are on unless turned off: every DEFAULT_SAVE_MINUTES by default, or
+    as --save-every (steps) and --save-every-minutes say; --save-every 0 turns them all off. After
+    this, 0 in either field means that clock does not save."""
+    _require(t.save_every is None or t.save_every >= 0,
+             f"--save-every {t.save_every}: use a positive step count, or 0 for no periodic checkpoints")
+    _require(t.save_every_minutes is None or (math.isfinite(t.save_every_minutes) and t.save_every_minutes > 0),
+             f"--save-every-minutes {t.save_every_minutes}: use a positive number of minutes (--save-every 0 turns "
+             "periodic checkpoints off)")
+    _require(t.save_every != 0 or t.save_every_minutes is None,
+             f"--save-every 0 turns periodic checkpoints off, --save-every-minutes {t.save_every_minutes} asks for "
+             "them: pass one of the two")
+    if t.save_every_minutes is None:
+        t.save_every_minutes = DEFAULT_SAVE_MINUTES if t.save_every is None else 0.0
+    if t.save_every is None:
+        t.save_every = 0
 
 
 RUN_CONFIG_FILE = "run_config.json"  # the flags a run ran with, --thinking resolved
@@ -294,9 +315,11 @@ def check_no_ignored_flags(t: TrainArgs) -> None:
                  f"--{name.replace('_', '-')} {getattr(t, name)}: only {by} uses it; add that or leave it out")
 
 
-def check_deepspeed_config(path: str) -> None:
+def check_deepspeed_config(path: str, grad_accum: int = 1) -> None:
     """A JSON object whose ZeRO stage keeps the drafter's weights whole on every rank. Stage 3
-    partitions the weights themselves: the run would train and export empty tensors."""
+    partitions the weights themselves: the run would train and export empty tensors. With
+    gradient accumulation, stage 1 or 2: their loss scale is how a step leaves a skipped
+    micro-batch out of its mean (dflash/training/spike.py gradient_scaled)."""
     try:
         ds = json.loads(Path(path).read_text())
     except (OSError, ValueError) as err:
@@ -308,6 +331,9 @@ def check_deepspeed_config(path: str) -> None:
              f"--deepspeed-config {path}: zero_optimization.stage {stage!r} is not supported; use stage 1 or 2 "
              "(ds_configs/zero1.json, ds_configs/zero2.json). The drafter is small: what ZeRO shards here is its "
              "optimizer state (stage 1) and gradients (stage 2), while every rank keeps the whole drafter")
+    _require(grad_accum == 1 or stage in (1, 2),
+             f"--deepspeed-config {path}: zero_optimization.stage {stage!r} with --grad-accum {grad_accum}: gradient "
+             "accumulation needs ZeRO stage 1 or 2 (ds_configs/zero1.json), or pass --grad-accum 1")
 
 
 def validate(config: RunConfig, for_training: bool = True) -> None:
@@ -347,7 +373,6 @@ def validate(config: RunConfig, for_training: bool = True) -> None:
     _require(t.target_ranks in ("colocated", "auto") or t.target_ranks.isdigit(),
              f"--target-ranks {t.target_ranks}: use colocated, auto, or a number of ranks")
     _require(t.spike_factor == 0 or t.spike_factor > 1, f"--spike-factor {t.spike_factor}: use 0 (NaN/inf only) or > 1")
-    _require(t.save_every >= 0, f"--save-every {t.save_every}: use 0 (off) or a positive step count")
     _require(t.keep_checkpoints >= 1, f"--keep-checkpoints {t.keep_checkpoints}: keep at least 1")
     _require(t.credits >= 1, f"--credits {t.credits}: need at least 1")
     _require(t.grad_accum >= 1, f"--grad-accum {t.grad_accum}: need at least 1")
@@ -360,7 +385,7 @@ def validate(config: RunConfig, for_training: bool = True) -> None:
     _require(t.kl_weight >= 0 and t.feature_noise_std >= 0, "--kl-weight and --feature-noise-std must be >= 0")
     _require(t.device in ("auto", "cpu", "cuda"), f"--device {t.device}: use auto, cpu or cuda")
     if t.deepspeed_config is not None:
-        check_deepspeed_config(t.deepspeed_config)
+        check_deepspeed_config(t.deepspeed_config, t.grad_accum)
     _require(t.device != "cuda" or torch.cuda.is_available(),
              "--device cuda: no CUDA device is visible on this machine; use --device cpu (or auto), or check "
              "CUDA_VISIBLE_DEVICES and the driver (nvidia-smi)")

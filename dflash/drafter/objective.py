@@ -6,6 +6,7 @@ Q = N * B query positions per sequence.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -71,20 +72,24 @@ class Blocks:
     input_ids: torch.Tensor  # [b, Q] anchor token then mask tokens
     positions: torch.Tensor  # [b, Q] absolute position a + j
     labels: torch.Tensor  # [b, Q] x[a + j] (0 where out of range)
-    label_mask: torch.Tensor  # [b, Q] scored: real block, j >= 1, a + j in the response
+    label_mask: torch.Tensor  # [b, Q] scored: real block, j >= 1, a..a + j all in the loss mask
 
 
 def build_blocks(
     input_ids: torch.Tensor, loss_mask: torch.Tensor, layout: BlockLayout, mask_token_id: int
 ) -> Blocks:
-    """Block inputs `[x_a, MASK, ...]`, positions and labels: slot j is scored on x[a + j]."""
+    """Block inputs `[x_a, MASK, ...]`, positions and labels: slot j is scored on x[a + j] when every
+    position a..a+j is in the loss mask. A block stays inside its reply: with several replies in
+    the loss (--loss-turns all), one anchored near a reply's end never scores the next reply,
+    which lies past a user turn the drafter would have to guess (and never drafts at serving)."""
     s, block_size = input_ids.shape[1], layout.block_size
     j = torch.arange(block_size, device=input_ids.device)
     positions = layout.anchors[:, :, None] + j  # [b, N, B]
     in_range = positions < s
     safe = positions.clamp(max=s - 1)
     labels = input_ids.gather(1, safe.flatten(1)).view_as(positions)
-    scored = loss_mask.gather(1, safe.flatten(1)).view_as(positions) & in_range
+    in_reply = loss_mask.gather(1, safe.flatten(1)).view_as(positions) & in_range
+    scored = in_reply.long().cumprod(dim=-1).bool()  # the run of masked positions from the anchor on
     scored &= layout.valid[:, :, None] & (j >= 1)
     block_ids = torch.full_like(positions, mask_token_id)
     block_ids[:, :, 0] = labels[:, :, 0]
@@ -149,6 +154,24 @@ class LossTerms:
     kind: str = "ce"  # ce (slot weights) | dpace | ce+dpace
     dpace_alpha: float = 0.5
     dpace_weight: float = 1.0  # of the D-PACE term in ce+dpace
+
+
+def kept_gradient_scale(per_micro: torch.Tensor, skipped: list[bool], terms: LossTerms,
+                        kl_weight: float) -> float | None:
+    """The factor that turns an optimizer step's gradient, accumulated with the denominators of
+    all its micro-batches (`per_micro` [n, 2]: each one's weight and position sums over the
+    drafter ranks), into the mean over the micro-batches kept (`skipped`: a flag each). None where
+    no factor does, and the step is skipped whole: nothing kept to learn from, or a loss over both
+    normalisers (CE or KL over weights, D-PACE over positions) that the skips changed unequally."""
+    if not any(skipped):
+        return 1.0
+    kept = ~torch.tensor(skipped, device=per_micro.device)
+    total, left = per_micro.double().sum(0), per_micro.double()[kept].sum(0)
+    used = [i for i, on in enumerate((terms.kind != "dpace" or kl_weight > 0, terms.kind != "ce")) if on]
+    if any(float(left[i]) <= 0 for i in used):
+        return None
+    ratios = [float(total[i] / left[i]) for i in used]
+    return ratios[0] if all(math.isclose(r, ratios[0], rel_tol=1e-12) for r in ratios) else None
 
 
 def dflash_loss(

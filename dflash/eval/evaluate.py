@@ -95,10 +95,12 @@ def chain_walk(streaks: list[int], produced: int) -> list[int]:
     """Accepted drafts per cycle of speculative decoding, from the teacher-forced streak of the
     block anchored at every response position: the first cycle is anchored at the first reply
     token, a cycle anchored at n accepts streak[n], the target adds one token, so the next is
-    anchored at n + streak[n] + 1; decoding stops once `produced` reply tokens exist."""
+    anchored at n + streak[n] + 1; decoding stops once `produced` reply tokens exist (the end of
+    sequence, or max_new_tokens), and the last cycle's tokens past them are not counted, as
+    speculative decoding counts them."""
     accepted, anchor = [], 0
     while anchor + 1 < produced and anchor < len(streaks):
-        accepted.append(streaks[anchor])
+        accepted.append(min(streaks[anchor], produced - 2 - anchor))
         anchor += streaks[anchor] + 1
     return accepted
 

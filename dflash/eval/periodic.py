@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
+
 from dflash.data.dataset import TokenDataset
 from dflash.eval.evaluate import continuation, eos_token_ids, load_prompts, teacher_forced
 from dflash.eval.speculative import Decoder, resolve_decoder
@@ -31,14 +33,17 @@ def memorising(train_tau: float, heldout_tau: float) -> bool:
 
 def training_sequences(dataset: TokenDataset, count: int, max_new_tokens: int) -> list[tuple[list[int], list[int], int]]:
     """(prompt, reply, reply length) of the first `count` training samples, in the form
-    teacher_forced takes: the prompt is everything before the first trained token. Replies are cut
-    to the held-out continuations' length: later tokens of long replies (repetition loops, often)
-    are easier to draft, and would pass for memorisation."""
+    teacher_forced takes: the prompt is everything before the first trained token, the reply the
+    run of trained tokens from there (a later reply of the sample, past a user turn, is not part of
+    it: blocks never cross into it in training either). Replies are cut to the held-out
+    continuations' length: later tokens of long replies (repetition loops, often) are easier to
+    draft, and would pass for memorisation."""
     sequences = []
     for index in range(min(count, len(dataset))):
         ids, mask = dataset[index]
         first = int(mask.argmax())
-        reply = ids[first:first + max_new_tokens].tolist()
+        run = int(np.logical_and.accumulate(mask[first:]).sum())
+        reply = ids[first:first + min(run, max_new_tokens)].tolist()
         sequences.append((ids[:first].tolist(), reply, len(reply)))
     return sequences
 

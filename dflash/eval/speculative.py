@@ -36,7 +36,9 @@ DECODERS = ("auto", "fast", "plain")
 class DecodeResult:
     tokens: list[int]  # generated tokens, prompt excluded
     seconds: float
-    accepted: list[int] = field(default_factory=list)  # accepted draft tokens per verify cycle
+    # per verify cycle: the tokens it added, less the target's own one (its accepted drafts); the
+    # last cycle's tokens past the end of sequence or max_new_tokens are not counted
+    accepted: list[int] = field(default_factory=list)
 
     @property
     def target_forwards(self) -> int:
@@ -191,9 +193,10 @@ class Decoder:
             accepted.append(k)
             draft.extend(features, anchor)  # positions past anchor+k stay out of every later draft's view
         synchronize(device)
-        return DecodeResult(
-            tokens=_finish(tokens, max_new_tokens, eos_ids), seconds=time.perf_counter() - start, accepted=accepted
-        )
+        kept = _finish(tokens, max_new_tokens, eos_ids)
+        if accepted:  # only the last cycle can run past the end: the loop stops after it
+            accepted[-1] -= len(tokens) - len(kept)
+        return DecodeResult(tokens=kept, seconds=time.perf_counter() - start, accepted=accepted)
 
 
 def greedy_decode(target: FrozenTarget, prompt: list[int], max_new_tokens: int, eos_ids: set[int],

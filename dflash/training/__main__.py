@@ -46,8 +46,8 @@ def on_sigint(signum, frame) -> None:
 def how_to_continue(config: RunConfig) -> str:
     newest = latest_checkpoint(config.train.output_dir)
     if newest is None:
-        return ("no checkpoint was saved (pass --save-every N to keep one every N steps): start again "
-                "with the same command plus --overwrite")
+        return ("no checkpoint was saved (one is kept every --save-every-minutes M, or --save-every N steps): start "
+                "again with the same command plus --overwrite")
     return f"the newest checkpoint is {newest}: resume with the same command plus --resume"
 
 

@@ -119,14 +119,25 @@ def barriers_within(group) -> Iterator[None]:
         ds_comm.barrier = original
 
 
+def save_due(step: int, every: int, minutes: float, seconds_since_save: float) -> bool:
+    """Whether a periodic checkpoint is due after optimizer step `step`: every `every` steps, or
+    once `minutes` have passed since the last one (0 turns either clock off)."""
+    return (every > 0 and step % every == 0) or (minutes > 0 and seconds_since_save >= 60 * minutes)
+
+
 class Checkpointer:
-    """Every `every` optimizer steps (maybe_save), an asynchronous save of the drafter ranks.
-    Collective over the drafter group: every drafter rank calls maybe_save at the same steps."""
+    """An asynchronous save of the drafter ranks whenever one is due (maybe_save): every `every`
+    optimizer steps, or every `minutes` of training. Collective over the drafter group: every
+    drafter rank calls maybe_save at the same steps, and with a time set they agree on whether a
+    save is due (the earliest clock decides), so none waits at a save the others skip. `clock`
+    (seconds) is for tests."""
 
     def __init__(self, engine, output_dir: str | Path, every: int, keep: int, drafter_rank: int,
-                 num_drafters: int, group) -> None:
+                 num_drafters: int, group, minutes: float = 0.0, clock=time.monotonic) -> None:
         self.engine, self.root = engine, checkpoint_dir(output_dir)
         self.every, self.keep, self.rank, self.num_drafters, self.group = every, keep, drafter_rank, num_drafters, group
+        self.minutes, self._clock = minutes, clock
+        self._last_save = clock()
         self._snapshots = SnapshotCheckpointEngine()
         engine.checkpoint_engine = self._snapshots
         self._writer: threading.Thread | None = None
@@ -136,11 +147,21 @@ class Checkpointer:
         self.pauses_s: list[float] = []  # how long each save held the step loop
 
     def maybe_save(self, step: int, trainer_state: dict) -> None:
-        if self.every > 0 and step % self.every == 0:
+        if self.due(step):
             self.save(step, trainer_state)
+
+    def due(self, step: int) -> bool:
+        """Whether a save is due after optimizer step `step`, as every drafter rank agrees."""
+        due = save_due(step, self.every, self.minutes, self._clock() - self._last_save)
+        if self.minutes <= 0:  # steps alone: the same on every rank, no need to agree
+            return due
+        flag = torch.tensor([1.0 if due else 0.0], device=next(self.engine.module.parameters()).device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item() > 0)
 
     def save(self, step: int, trainer_state: dict) -> None:
         started = time.perf_counter()
+        self._last_save = self._clock()
         self.wait()
         if not self._weights_finite():
             logger.error("step %d: the drafter's weights hold NaN/inf; not saving them (the checkpoint before "

@@ -1,6 +1,7 @@
 """Everything a drafter rank builds before its first step: the DeepSpeed engine over the drafter
 ranks, the rank-aware sampler with its budgets, the drafter step with its kernels, the LR
-schedule, the checkpointer and the spike guard, and the resume from the newest checkpoint."""
+schedule, the checkpointer, the spike guard and step tally, and the resume from the newest
+checkpoint."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from dflash.training.checkpoint import (Checkpointer, CheckpointError, checkpoin
                                         newest_intact_checkpoint, saved_batching, saved_drafter_ranks, saved_recipe)
 from dflash.training.memory import MemoryBudgetError, MemoryShapes, draft_position_budget, free_device_bytes
 from dflash.training.schedules import LRSchedule, planned_total_steps
-from dflash.training.spike import SpikeGuard
+from dflash.training.spike import SpikeGuard, StepTally
 from dflash.util.cli import ConfigError
 from dflash.util.runtime import allow_compiled_variants
 
@@ -70,6 +71,7 @@ class DrafterRun:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     checkpointer: Checkpointer
     guard: SpikeGuard
+    tally: StepTally
     anchors: np.ndarray  # anchors per sample, as the FLOP model counts them
     total_steps: int
     start_epoch: int
@@ -85,7 +87,8 @@ class DrafterRun:
     def trainer_state(self, epoch: int, batch_step: int) -> dict:
         """What a checkpoint taken after this batch step records besides the engine's state."""
         sampler = {**self.sampler.state_dict(), "epoch": epoch, "position": batch_step + 1}
-        return {"sampler": sampler, "recipe": self.recipe}
+        return {"sampler": sampler, "recipe": self.recipe, "spike_guard": self.guard.state_dict(),
+                "step_tally": self.tally.state_dict()}
 
 
 def build_drafter_run(ctx: RankContext) -> DrafterRun:
@@ -136,14 +139,15 @@ def build_drafter_run(ctx: RankContext) -> DrafterRun:
             steps_per_epoch, total_steps, settings.attention_backend,
         )
     start_epoch = 0
+    guard, tally = SpikeGuard(config.train.spike_factor, group=ctx.data_group), StepTally()
     if config.train.resume:
-        start_epoch, total_steps = resume(ctx, newest, engine, sampler, lr_schedule, steps_per_epoch)
+        start_epoch, total_steps = resume(ctx, newest, engine, sampler, lr_schedule, steps_per_epoch, guard, tally)
     checkpointer = Checkpointer(engine, ctx.out_dir, config.train.save_every, config.train.keep_checkpoints,
-                                drafter_rank, len(topology.drafter_ranks), ctx.data_group)
+                                drafter_rank, len(topology.drafter_ranks), ctx.data_group,
+                                minutes=config.train.save_every_minutes)
     return DrafterRun(
         engine=engine, sampler=sampler, step=DrafterStep(engine.module, embed, lm_head, settings, forward=engine),
-        scheduler=scheduler, checkpointer=checkpointer,
-        guard=SpikeGuard(config.train.spike_factor, group=ctx.data_group), anchors=anchors,
+        scheduler=scheduler, checkpointer=checkpointer, guard=guard, tally=tally, anchors=anchors,
         total_steps=total_steps, start_epoch=start_epoch, drafter_rank=drafter_rank, is_main=is_main,
         initial_dir=initial_dir, recipe=recipe_settings(config.train),
     )
@@ -289,10 +293,11 @@ def resume_point(out_dir: Path, log: bool) -> Path | None:
 
 
 def resume(ctx: RankContext, path: Path | None, engine, sampler: RankAwareBucketSampler, lr_schedule: LRSchedule,
-           steps_per_epoch: int) -> tuple[int, int]:
-    """Load the checkpoint at `path` (the resume_point), if any; return the epoch to continue in
-    and the run's total steps. A checkpoint of another drafter-rank count has the rest of its
-    epoch planned anew, and the LR curve is stretched over it."""
+           steps_per_epoch: int, guard: SpikeGuard, tally: StepTally) -> tuple[int, int]:
+    """Load the checkpoint at `path` (the resume_point), if any, with the spike guard's and the
+    step tally's state; return the epoch to continue in and the run's total steps. A checkpoint
+    of another drafter-rank count has the rest of its epoch planned anew, and the LR curve is
+    stretched over it."""
     config = ctx.config
     if path is None:
         logger.info("--resume: no complete checkpoint under %s, starting from scratch", config.train.output_dir)
@@ -304,6 +309,12 @@ def resume(ctx: RankContext, path: Path | None, engine, sampler: RankAwareBucket
     state = load_checkpoint(engine, path, ctx.drafter_rank, sampler.num_replicas, config.train.seed, ctx.data_group)
     saved_ranks = int(state["sampler"]["fingerprint"].get("num_replicas", sampler.num_replicas))
     sampler.load_state_dict(state["sampler"])
+    if "spike_guard" in state:
+        guard.load_state_dict(state["spike_guard"])
+        tally.load_state_dict(state["step_tally"])
+    else:
+        logger.warning("--resume: %s records no spike-guard state (an older checkpoint); the guard warms up "
+                       "again", path)
     logger.info("resumed from %s at step %d, %s", path, engine.global_steps, sampler.progress())
     epoch = int(state["sampler"]["epoch"])
     if saved_ranks == sampler.num_replicas:

@@ -26,7 +26,7 @@ from dflash.data.tokenization import load_tokenizer
 from dflash.drafter.export import export_drafter
 from dflash.drafter.flops import cost_shapes
 from dflash.drafter.model import drafter_config
-from dflash.drafter.objective import Blocks, LossDenominators, LossOutput
+from dflash.drafter.objective import Blocks, LossDenominators, LossOutput, kept_gradient_scale
 from dflash.placement.distributed import RankInfo
 from dflash.placement.features import FeatureCache, FeatureSource, LocalFeatures, RemoteFeatures, compute_features
 from dflash.placement.topology import (Topology, drafter_groups, parse_target_ranks, plan_topology, ranks_per_node,
@@ -42,7 +42,7 @@ from dflash.training.metrics import TargetLog
 from dflash.training.run_report import RunReport
 from dflash.training.schedules import feature_noise_std
 from dflash.training.shard import prepare_train_shard, train_shard_dir
-from dflash.training.spike import StepTally
+from dflash.training.spike import StepTally, gradient_scaled, weights_norm
 from dflash.util.phases import PhaseClock
 
 logger = logging.getLogger(__name__)
@@ -204,29 +204,29 @@ def train_drafter_rank(ctx: RankContext, source: FeatureSource) -> TrainResult:
     """Build, loop, finish. The step, the report and the checkpointer each decide when they act."""
     run = build_drafter_run(ctx)
     report = RunReport(ctx, run, source)
-    tally = StepTally()
     try:
-        train_steps(ctx, run, report, source, tally)
+        train_steps(ctx, run, report, source)
     except KeyboardInterrupt as interrupt:
         run.checkpointer.cancel()  # the save in flight, if any, is not the one the message names
         raise Interrupted(run.engine.global_steps) from interrupt
-    return finish(ctx, run, report, source, tally)
+    return finish(ctx, run, report, source)
 
 
-def train_steps(ctx: RankContext, run: DrafterRun, report: RunReport, source: FeatureSource,
-                tally: StepTally) -> None:
-    """The optimizer steps of the run, from where it starts (or resumes) to its last."""
-    clock = report.clock
+def train_steps(ctx: RankContext, run: DrafterRun, report: RunReport, source: FeatureSource) -> None:
+    """The optimizer steps of the run, from where it starts (or resumes) to its last. After each
+    step the tally judges it (skipped, or blown up) before the checkpointer may save it."""
+    clock, tally = report.clock, run.tally
+    norm = weights_norm(run.engine.module, ctx.data_group)
     for window in accumulation_windows(epoch_batches(ctx, run, source, clock), ctx.config.train.grad_accum):
-        blocks, denominators = plan_window(ctx, run, window, clock)
-        before, guard_skips = (run.engine.global_steps, run.engine.skipped_steps), 0
+        before, stepped, whole_skip = (run.engine.global_steps, run.engine.skipped_steps), False, False
+        blocks, denominators, per_micro = plan_window(ctx, run, window, clock)
+        skipped: list[bool] = []
         for (epoch, batch_step, indices, batch), these in zip(window, blocks):
             out = micro_batch_loss(ctx, run, batch, these, denominators)
             clock.mark("drafter_forward")
-            skip = run.guard.should_skip(out.mean_loss, track=batch is not None)
+            skipped.append(run.guard.should_skip(out.mean_loss, track=batch is not None))
             clock.mark("spike_check")
-            if skip:
-                guard_skips += 1
+            if skipped[-1]:
                 logger.warning("skipped the micro-batch of step %d, epoch %d: loss %.4g vs recent median %s "
                                "(%d skipped so far)", batch_step, epoch + 1, float(out.mean_loss),
                                f"{run.guard.reference:.4g}" if run.guard.reference is not None else "n/a",
@@ -235,28 +235,53 @@ def train_steps(ctx: RankContext, run: DrafterRun, report: RunReport, source: Fe
                     continue  # the whole optimizer step is skipped
                 # a zero in its place keeps the engine's accumulation count on the window's boundary
                 out, batch = run.step.empty_loss(), None
-            stepped = backward_and_step(run, out.loss, clock)
+            loss, scale, whole_skip = kept_loss(ctx, run, out.loss, skipped, per_micro)
+            stepped = backward_and_step(run, loss, clock, scale)
             if batch is not None:  # an empty or skipped micro-batch's zero loss is no sample of the loss
                 report.micro_batch(out, indices)
             if stepped:
                 report.optimizer_step(epoch, batch_step)
-                run.checkpointer.maybe_save(run.engine.global_steps, run.trainer_state(epoch, batch_step))
             clock.mark("bookkeeping")
-        count_step(run, tally, before, guard_skipped_all=guard_skips == len(window))
+        count_step(run, tally, before, guard_skipped=whole_skip or all(skipped))
+        if stepped:
+            norm_before, norm = norm, weights_norm(run.engine.module, ctx.data_group)
+            tally.check_update(run.engine.global_steps, norm_before, norm)
         if tally.failing:
             run.checkpointer.wait()  # the save in flight, committed, is the newest checkpoint
             raise tally.error(ctx.config.train.lr, latest_checkpoint(ctx.out_dir))
+        if stepped:
+            run.checkpointer.maybe_save(run.engine.global_steps, run.trainer_state(epoch, batch_step))
 
 
-def count_step(run: DrafterRun, tally: StepTally, before: tuple[int, int], guard_skipped_all: bool) -> None:
+def kept_loss(ctx: RankContext, run: DrafterRun, loss: torch.Tensor, skipped: list[bool],
+              per_micro: torch.Tensor) -> tuple[torch.Tensor, float, bool]:
+    """What a window's micro-batch backpropagates, the factor its engine step applies to the
+    accumulated gradient, and whether the step is skipped whole. At the micro-batch that ends the
+    optimizer step, the factor leaves the skipped micro-batches out of the mean (`skipped`: the
+    guard's verdicts so far; `per_micro`: plan_window's denominators); where no factor does, a
+    non-finite gradient makes the engine skip the update (weights, moments and LR schedule
+    untouched) as it does on overflow."""
+    if len(skipped) < ctx.config.train.grad_accum:
+        return loss, 1.0, False
+    scale = kept_gradient_scale(per_micro, skipped, run.step.settings.terms, ctx.config.train.kl_weight)
+    if scale is None:
+        return loss + run.step.empty_loss().loss * float("nan"), 1.0, True
+    return loss, scale, False
+
+
+def count_step(run: DrafterRun, tally: StepTally, before: tuple[int, int], guard_skipped: bool) -> None:
     """Whether the optimizer step of the window just run trained, or was skipped and why; `before`:
-    the engine's (global_steps, skipped_steps) at its start. A window that ends the run short of
-    the accumulation boundary took no step."""
+    the engine's (global_steps, skipped_steps) at its start; `guard_skipped`: the guard's skips
+    left nothing to step on. A window that ends the run short of the accumulation boundary took
+    no step."""
     steps, engine_skips = before
-    if run.engine.skipped_steps != engine_skips:
-        tally.add(run.engine.global_steps, "with a gradient norm not finite")
-    elif guard_skipped_all:
+    if guard_skipped:
         tally.add(steps + 1, "with a loss not finite or a spike")
+    elif run.engine.skipped_steps != engine_skips:
+        tally.add(run.engine.global_steps, "with a gradient norm not finite")
+        if run.is_main:
+            logger.warning("optimizer step %d skipped: the gradient norm was not finite (%d skipped so far)",
+                           run.engine.global_steps, run.engine.skipped_steps)
     elif run.engine.global_steps != steps:
         tally.add(run.engine.global_steps, None)
 
@@ -288,23 +313,26 @@ def accumulation_windows(items, size: int):
 
 
 def plan_window(ctx: RankContext, run: DrafterRun, window: list, clock: PhaseClock):
-    """Each micro-batch's blocks, and the loss denominators of the whole optimizer step: summed
-    over its micro-batches on every drafter rank (one all-reduce), so that the update does not
-    depend on how the samples fell on ranks and accumulation steps."""
-    blocks, local = [], torch.zeros(2, dtype=torch.float64, device=ctx.ranks.device)
-    for epoch, batch_step, _, batch in window:
+    """Each micro-batch's blocks, the loss denominators of the whole optimizer step, summed over
+    its micro-batches on every drafter rank, so that the update does not depend on how the samples
+    fell on ranks and accumulation steps, and those of each micro-batch [n, 2] (weight, positions;
+    one all-reduce for both), which take a skipped micro-batch out of them again."""
+    blocks = []
+    local = torch.zeros(len(window), 2, dtype=torch.float64, device=ctx.ranks.device)
+    for n, (epoch, batch_step, _, batch) in enumerate(window):
         if batch is None:  # this rank got no samples at this step: a zero step keeps lockstep
             blocks.append(None)
             continue
         these = run.step.sample_blocks(batch.input_ids, batch.loss_mask,
                                        anchor_generator(ctx.config.train.seed, epoch, batch_step, run.drafter_rank))
         counts = run.step.denominators(these)
-        local += torch.stack([counts.weight, counts.positions]).double()
+        local[n] = torch.stack([counts.weight, counts.positions]).double()
         blocks.append(these)
     dist.all_reduce(local, group=ctx.data_group)
     clock.mark("anchors")
+    total = local.sum(0)
     scale = len(ctx.topology.drafter_ranks) * ctx.config.train.grad_accum  # the engine averages over both
-    return blocks, LossDenominators(local[0].float(), local[1].float(), scale)
+    return blocks, LossDenominators(total[0].float(), total[1].float(), scale), local
 
 
 def micro_batch_loss(ctx: RankContext, run: DrafterRun, batch: FeatureBatch | None, blocks: Blocks | None,
@@ -315,17 +343,16 @@ def micro_batch_loss(ctx: RankContext, run: DrafterRun, batch: FeatureBatch | No
     return run.step.loss(blocks, batch.features, batch.final_hidden, noise_std=noise, denominators=denominators)
 
 
-def backward_and_step(run: DrafterRun, loss: torch.Tensor, clock: PhaseClock) -> bool:
-    """Backward and the engine step; True where this micro-batch ended an optimizer step."""
+def backward_and_step(run: DrafterRun, loss: torch.Tensor, clock: PhaseClock, gradient_scale: float = 1.0) -> bool:
+    """Backward and the engine step, whose update applies `gradient_scale` x the accumulated
+    gradient where this micro-batch ends an optimizer step (True then)."""
     engine = run.engine
-    before, skipped_before = engine.global_steps, engine.skipped_steps
+    before = engine.global_steps
     engine.backward(loss)
     clock.mark("backward")
-    engine.step()  # ZeRO skips the update itself when the gradient norm is not finite
+    with gradient_scaled(engine, gradient_scale):
+        engine.step()  # ZeRO skips the update itself when the gradient norm is not finite
     clock.mark("optimizer")
-    if engine.skipped_steps != skipped_before and run.is_main:
-        logger.warning("optimizer step %d skipped: the gradient norm was not finite (%d skipped so far)",
-                       engine.global_steps, engine.skipped_steps)
     return engine.global_steps != before
 
 
@@ -335,13 +362,16 @@ def anchor_generator(seed: int, epoch: int, step: int, drafter_rank: int) -> tor
     return torch.Generator().manual_seed(((seed * 1_000_003 + epoch) * 1_000_003 + step) * 1_009 + drafter_rank)
 
 
-def finish(ctx: RankContext, run: DrafterRun, report: RunReport, source: FeatureSource,
-           tally: StepTally) -> TrainResult:
+def finish(ctx: RankContext, run: DrafterRun, report: RunReport, source: FeatureSource) -> TrainResult:
     """Stop the transport, wait for the last checkpoint, report routing, export the drafter, then
     wait for the targets to answer what was sent: nothing before the export needs a target rank,
-    so one that stalls after the last step costs a warning, not the run."""
+    so one that stalls after the last step costs a warning, not the run. A run whose last steps
+    were mostly skipped, however few, stops instead of exporting."""
+    tally = run.tally
     source.stop()
     run.checkpointer.wait()
+    if tally.failed_at_end:
+        raise tally.error(ctx.config.train.lr, latest_checkpoint(ctx.out_dir))
     routing = routing_report(source.served_by, ctx.topology, ctx.data_group)
     if run.is_main and routing:
         logger.info("%s", routing)

@@ -69,6 +69,10 @@ def test_missing_data_file(capsys, paths):
     (["--attention-backend", "xformers"], "--attention-backend xformers: use auto, sdpa or flex"),
     (["--lr-schedule", "linear"], "--lr-schedule linear"),
     (["--lr-schedule", "wsd", "--warmup-ratio", "0.5", "--decay-ratio", "0.6"], "--decay-ratio 0.6"),
+    (["--save-every=-1"], "--save-every -1: use a positive step count, or 0 for no periodic checkpoints"),
+    (["--save-every-minutes", "0"], "--save-every-minutes 0.0: use a positive number of minutes"),
+    (["--save-every", "0", "--save-every-minutes", "5"], "--save-every 0 turns periodic checkpoints off, "
+                                                         "--save-every-minutes 5.0 asks for them"),
 ])
 def test_impossible_settings(capsys, paths, flags, fragment):
     fails_with(capsys, ["--target", paths["target"], "--train-data", paths["data"], *flags], fragment)
@@ -240,6 +244,32 @@ def test_zero_stage_3_is_refused_at_start(capsys, paths):
     fails_with(capsys, ["--target", paths["target"], "--train-data", paths["data"], "--deepspeed-config", str(ds)],
                f"--deepspeed-config {ds}: zero_optimization.stage 3 is not supported; use stage 1 or 2 "
                "(ds_configs/zero1.json, ds_configs/zero2.json)", "what ZeRO shards here is its optimizer state")
+
+
+def test_gradient_accumulation_without_zero_is_refused_at_start(capsys, paths):
+    """A step leaves a skipped micro-batch out of its mean through ZeRO's loss scale."""
+    ds = paths["tmp"] / "zero0.json"
+    ds.write_text('{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0}}')
+    fails_with(capsys, ["--target", paths["target"], "--train-data", paths["data"], "--deepspeed-config", str(ds),
+                        "--grad-accum", "2"],
+               f"--deepspeed-config {ds}: zero_optimization.stage 0 with --grad-accum 2: gradient accumulation needs "
+               "ZeRO stage 1 or 2")
+
+
+def test_periodic_checkpoints_are_on_by_default_by_time_or_as_the_flags_say(paths):
+    from dflash.config import DEFAULT_SAVE_MINUTES, parse_config
+
+    def schedule(*flags: str) -> tuple[int, float]:
+        train = parse_config(["--target", paths["target"], "--train-data", paths["data"], *flags],
+                             for_training=False).train
+        return train.save_every, train.save_every_minutes
+
+    assert DEFAULT_SAVE_MINUTES == 30
+    assert schedule() == (0, 30.0), "a week-long run keeps a checkpoint every 30 minutes unless told otherwise"
+    assert schedule("--save-every", "500") == (500, 0.0)
+    assert schedule("--save-every-minutes", "5") == (0, 5.0)
+    assert schedule("--save-every", "500", "--save-every-minutes", "5") == (500, 5.0)
+    assert schedule("--save-every", "0") == (0, 0.0), "0 still turns them all off"
 
 
 def test_a_mask_token_the_target_emits_or_reads_is_refused():

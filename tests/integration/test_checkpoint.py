@@ -102,3 +102,40 @@ def test_export_on_a_full_disk_keeps_the_earlier_export(tmp_path, monkeypatch):
         export.export_drafter(drafter, out)
     assert (out / export.WEIGHTS_NAME).read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter"]  # no staging folder left behind
+
+
+def test_a_save_is_due_by_steps_or_by_minutes_whichever_is_set():
+    from dflash.training.checkpoint import save_due
+
+    assert save_due(10, every=5, minutes=0.0, seconds_since_save=0.0)
+    assert not save_due(11, every=5, minutes=0.0, seconds_since_save=1e9), "no time set: steps alone"
+    assert save_due(11, every=0, minutes=30.0, seconds_since_save=1800.0)
+    assert not save_due(11, every=0, minutes=30.0, seconds_since_save=1799.0)
+    assert save_due(11, every=5, minutes=30.0, seconds_since_save=1800.0), "both set: whichever comes first"
+    assert not save_due(10, every=0, minutes=0.0, seconds_since_save=1e9), "--save-every 0: never"
+
+
+def test_drafter_ranks_agree_on_a_time_based_save_whichever_clock_passed():
+    """Each rank's clock says whether the minute has passed; their verdicts are all-reduced, so a
+    rank whose clock runs ahead does not wait at a save the others skip."""
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}", "DS_ACCELERATOR": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+         str(REPO / "tests" / "checkpoint_clock_worker.py")], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    verdicts = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("[")))
+    assert verdicts == [[False, True]] * 2, "rank 0's clock alone (50 s) would not have saved at the second step"
+
+
+def test_a_run_saves_by_the_clock_and_keeps_the_newest_n(tiny_setup, tmp_path):
+    """--save-every-minutes with a tiny interval saves after every step of a real run, and
+    --keep-checkpoints 2 leaves the newest two, each complete."""
+    from conftest import run_trainer, tiny_args
+
+    proc = run_trainer(tiny_args(tiny_setup, tmp_path, "--save-every-minutes", "0.0001", "--keep-checkpoints", "2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    saves = [line for line in proc.stderr.splitlines() if "checkpoint " in line and line.endswith(" saved")]
+    assert len(saves) == 8, proc.stderr[-3000:]  # each step takes longer than 6 ms
+    assert steps_on_disk(tmp_path) == ["step_7", "step_8"]
+    assert latest_checkpoint(tmp_path) == checkpoint_dir(tmp_path) / "step_8"

@@ -73,6 +73,31 @@ def test_sigkill_and_resume_reproduces_the_uninterrupted_run(tiny_setup, tmp_pat
     assert (resumed / "checkpoints" / f"step_{STEPS}" / STATE_FILE).is_file()
 
 
+def test_a_resumed_run_skips_exactly_as_the_uninterrupted_one(tiny_setup, tmp_path):
+    """The spike guard's window is in the checkpoint: a run resumed from step 25, with a skip
+    before it inside the window, skips the same micro-batches after it and trains the same losses.
+    (A guard that started afresh would warm up again for 20 steps and let every spike through.)
+    The tiny run's losses differ by under 1% from step to step, so a spike factor of 1.002 makes
+    a few of them spikes."""
+    import shutil
+
+    args = tiny_args(tiny_setup, tmp_path / "straight", "--spike-factor", "1.002", "--save-every", "25")
+    args[args.index("--max-steps") + 1] = "40"
+    proc = run_trainer(args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    straight = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    skips = {r["step"]: r["skipped_micro_batches"] for r in straight}
+    assert skips[25] >= 1 and skips[40] > skips[25], f"skips before and after step 25: {skips}"
+    shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
+    out = args.index("--output-dir") + 1
+    proc = run_trainer([*args[:out], str(tmp_path / "resumed"), *args[out + 1:], "--resume"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "at step 25" in proc.stderr
+    resumed = [json.loads(line) for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"], r["skipped_micro_batches"]) for r in resumed] == [
+        (r["step"], r["loss"], r["skipped_micro_batches"]) for r in straight]
+
+
 @pytest.mark.parametrize("before, after", [(2, 1), (1, 2)], ids=["2-to-1", "1-to-2"])
 def test_resume_on_another_number_of_drafter_ranks(tmp_path, before, after):
     """A node lost or added: the ZeRO-sharded state is resharded through DeepSpeed's universal
@@ -211,5 +236,5 @@ def test_an_interrupt_before_any_checkpoint_says_how_to_keep_one(tmp_path):
 
     config = SimpleNamespace(train=SimpleNamespace(output_dir=str(tmp_path)))
     assert interrupted_line(config, Interrupted(3)) == (
-        "interrupted at step 3; no checkpoint was saved (pass --save-every N to keep one every N steps): start "
-        "again with the same command plus --overwrite")
+        "interrupted at step 3; no checkpoint was saved (one is kept every --save-every-minutes M, or --save-every "
+        "N steps): start again with the same command plus --overwrite")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from conftest import run_trainer, tiny_args
 from tiny_tokenizer import make_tiny_tokenizer
 
@@ -56,20 +58,23 @@ def test_one_percent_bad_samples_train_on_the_rest_and_a_reused_output_dir_is_re
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
 
 
-def test_a_run_that_skips_most_of_its_steps_stops_naming_the_cause_and_the_checkpoint(tiny_setup, tmp_path):
-    """--lr 1e30: the first step blows the weights up and every later loss is NaN, so the guard
-    skips each step; the run stops at the 4th attempt (3 of 4 skipped) instead of skipping to the
-    end and exporting the blown-up drafter under "trained 8 steps"."""
-    from conftest import tiny_args
+@pytest.mark.parametrize("lr, steps", [("1e9", "2"), ("1e30", "8")])
+def test_a_run_whose_update_blows_the_weights_up_stops_at_once_and_exports_nothing(tiny_setup, tmp_path, lr, steps):
+    """--lr 1e9 for 2 steps: the first update takes the weights' norm from ~17 to ~1e11. The run
+    stops there with the message a run of mostly skipped steps gives, instead of exiting 0 with
+    those weights exported as its drafter; nor are they kept as a checkpoint to resume from."""
+    from dflash.training.checkpoint import latest_checkpoint
 
-    proc = run_trainer(tiny_args(tiny_setup, tmp_path, "--lr", "1e30", "--save-every", "1"))
+    args = tiny_args(tiny_setup, tmp_path, "--lr", lr, "--save-every", "1")
+    args[args.index("--max-steps") + 1] = steps
+    proc = run_trainer(args)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    for fragment in ("training stopped: 3 of the last 4 optimizer steps were skipped",
-                     "trained 1 step, skipped 3 in all", "(--lr 1e+30): start again with a lower --lr",
-                     f"The newest checkpoint is {tmp_path / 'checkpoints' / 'step_1'}"):
+    for fragment in ("training stopped: the update of step 1 took the drafter's weights from norm ",
+                     "trained 1 step, skipped 0 in all", f"the learning rate is too high (--lr {float(lr):g}): "
+                     "start again with a lower --lr", "No drafter was exported", "No checkpoint was saved"):
         assert fragment in proc.stderr, proc.stderr[-3000:]
-    assert not (tmp_path / "drafter").exists()
+    assert not (tmp_path / "drafter").exists() and latest_checkpoint(tmp_path) is None
 
 
 def test_precision_bf16_trains_on_cpu(tiny_setup, tmp_path):

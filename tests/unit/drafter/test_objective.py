@@ -289,3 +289,29 @@ def test_a_micro_batch_with_no_scored_slot_still_backpropagates(fused):
     out = dflash_loss(hidden, blocks, torch.nn.Linear(d, v, bias=False), slot_weights(bs, 2.0), fused=fused)
     out.loss.backward()
     assert float(out.loss.detach()) == 0.0 and torch.equal(hidden.grad, torch.zeros_like(hidden))
+
+
+def test_a_block_never_scores_past_the_end_of_its_reply():
+    """--loss-turns all puts two replies in the loss, with a short user turn between them: a
+    block anchored near the first reply's end scores only the rest of that reply, never the
+    second reply past the user turn (slot j counts only when a..a+j are all in the loss mask)."""
+    from dflash.data.tokenization import load_tokenizer, tokenize_conversation
+    from dflash.demo import DEMO_TARGET_DIR
+
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue is one."},
+                {"role": "user", "content": "ok"}, {"role": "assistant", "content": "Red is another."}]
+    ids, mask = tokenize_conversation(load_tokenizer(DEMO_TARGET_DIR), messages, loss_turns="all")
+    edges = [i for i in range(1, len(mask) + 1) if i == len(mask) or mask[i] != mask[i - 1]]
+    replies = [(start, end) for start, end in zip([0] + edges, edges) if mask[start]]
+    assert len(replies) == 2 and replies[1][0] - replies[0][1] < 16, "two replies, a short gap between"
+    ids, mask = torch.from_numpy(ids).long()[None], torch.from_numpy(mask)[None]
+    block = 16  # longer than what is left of the first reply from its late anchors, and than the gap
+    anchors = anchor_candidates(mask)[0].nonzero().flatten()
+    layout = BlockLayout(anchors[None], torch.ones(1, len(anchors), dtype=torch.bool), ids.shape[1], block)
+    blocks = build_blocks(ids, mask, layout, MASK_ID)
+    scored = blocks.label_mask.view(len(anchors), block)
+    for a, row in zip(anchors.tolist(), scored):
+        reply_end = next(end for start, end in replies if start <= a < end)
+        expected = torch.zeros(block, dtype=torch.bool)
+        expected[1:min(block, reply_end - a)] = True  # every slot up to the end of the anchor's reply
+        assert torch.equal(row, expected), f"the block anchored at {a} (reply ends at {reply_end})"

@@ -23,8 +23,12 @@ def fit(step, input_ids, loss_mask, features, steps: int = 60) -> None:
 def test_chain_walk_follows_decoding():
     # anchored at 0: 2 accepted, the target adds one token -> next anchor 3: 0 accepted -> 4: 5 -> 10
     streaks = [2, 9, 9, 0, 5, 9, 9, 9, 9, 9, 1, 1]
-    assert chain_walk(streaks, produced=10) == [2, 0, 5]  # 10 reply tokens exist after that cycle
-    assert chain_walk(streaks, produced=12) == [2, 0, 5, 1]  # one more cycle, its block runs past the end
+    assert chain_walk(streaks, produced=11) == [2, 0, 5]  # 11 reply tokens exist after that cycle
+    # the reply ends (end of sequence, or max_new_tokens) inside a cycle: its tokens past the end do
+    # not count, the bonus first (at 4: drafts 5..9 kept, 10 not), then the drafts (at 10: only 11)
+    assert chain_walk(streaks, produced=10) == [2, 0, 4]
+    assert chain_walk(streaks, produced=12) == [2, 0, 5, 0]
+    assert chain_walk([9] * 20, produced=4) == [2]  # an early end: the first cycle keeps 3 tokens
     assert chain_walk([0, 0, 0], produced=3) == [0, 0]
     assert chain_walk([4], produced=1) == []  # the prompt's forward made the only token
 
@@ -120,7 +124,8 @@ def test_a_drafter_that_memorised_its_samples_is_told_apart(tmp_path):
     probe = TauProbe(target, tokenizer, str(DEMO_HELDOUT_DATA), 8, 48, 8, dataset)
     prompt_lengths = [int(mask.argmax()) for _, mask in samples]
     assert [(len(p), len(r)) for p, r, _ in probe.train_sequences] == [
-        (first, min(len(ids) - first, 48)) for (ids, _), first in zip(samples, prompt_lengths)]  # cut as held out
+        (first, min(int(mask[first:].cumprod().sum()), 48))  # the trained reply, cut as held out
+        for (_, mask), first in zip(samples, prompt_lengths)]
     result = probe.measure(drafter)
     assert memorising(result["train_tau"], result["tau"]), result
 
@@ -175,3 +180,18 @@ def test_a_continuation_stops_b_minus_1_tokens_past_the_replys_end(monkeypatch):
     assert sum(made) == end + block - 1, made
     tokens, kept = continuation(decoder, prompt, 32, set(), block)  # no end: max_new_tokens, then B-1
     assert kept == 32 and tokens == long[:32 + block - 1]
+
+
+def test_train_tau_walks_the_first_reply_only_not_the_next_one_past_a_user_turn():
+    """A sample with two replies in the loss (--loss-turns all): the training continuation that
+    train_tau walks is the first reply, cut where its loss mask ends, as training's blocks are."""
+    import numpy as np
+
+    from dflash.eval.periodic import training_sequences
+
+    ids = np.arange(20, dtype=np.int32)
+    mask = np.zeros(20, dtype=bool)
+    mask[4:9] = True  # the first reply
+    mask[12:18] = True  # the second, after a user turn at 9..11
+    assert training_sequences([(ids, mask)], 1, 48) == [(list(range(4)), list(range(4, 9)), 5)]
+    assert training_sequences([(ids, mask)], 1, 3) == [(list(range(4)), [4, 5, 6], 3)]

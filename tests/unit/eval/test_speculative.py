@@ -78,6 +78,30 @@ def test_stops_at_eos():
     assert speculative.greedy_decode(target, PROMPTS[0], NEW_TOKENS, {eos}, kind="fast").tokens == expected
 
 
+@pytest.mark.parametrize("stop", ["eos", "max_new_tokens"])
+def test_tokens_past_the_end_are_not_counted_as_accepted(monkeypatch, stop):
+    """An oracle drafter whose blocks run on past the reply's end (an early end-of-sequence token,
+    or max_new_tokens): the last cycle counts only the tokens the reply keeps, so tau (tokens per
+    verify forward) is the reply's tokens over the forwards that made them."""
+    target = tiny_target("qwen3")
+    block = 8
+    drafter = tiny_drafter(target, block_size=block)
+    prompt = PROMPTS[0]
+    reply = speculative.greedy_decode(target, prompt, NEW_TOKENS + block, eos_ids=set()).tokens
+    end = next(i for i in range(2, block - 1) if reply[i] not in reply[:i])  # the reply's last token
+    reference = prompt + reply
+
+    def oracle(session, last_token, anchor):
+        return torch.tensor(reference[anchor + 1: anchor + block])
+
+    monkeypatch.setattr(speculative.DraftSession, "propose", oracle)
+    eos, limit = ({reply[end]}, NEW_TOKENS) if stop == "eos" else (set(), end + 1)
+    spec = speculative.speculative_decode(target, drafter, prompt, limit, eos_ids=eos)
+    assert spec.tokens == reply[:end + 1]
+    assert spec.accepted == [end - 1], "one cycle drafted B-1 right; the reply keeps end - 1 of them and its end"
+    assert sum(k + 1 for k in spec.accepted) == len(spec.tokens) - 1  # the prefill made the first token
+
+
 def test_demo_target_output_equals_greedy():
     """The shipped demo target with its tokenizer and held-out prompts."""
     from dflash.data.chat_formats import load_chat_jsonl
