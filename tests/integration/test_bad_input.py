@@ -84,6 +84,9 @@ def test_mask_token_resolution():
     full = tiny_causal_lm(vocab_size=len(tokenizer)).config
     with pytest.raises(TargetError, match="pass\n?.*--mask-token-id"):
         resolve_mask_token_id(tokenizer, full, None)
+    tokenizer.add_tokens(["[PAD3]"])  # a real token, spelled like the placeholder of another row
+    with pytest.raises(TargetError, match="pass\n?.*--mask-token-id"):
+        resolve_mask_token_id(tokenizer, tiny_causal_lm(vocab_size=len(tokenizer)).config, None)
 
 
 def test_deepspeed_launcher_local_rank_flag_is_accepted():
