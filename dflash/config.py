@@ -21,7 +21,7 @@ from transformers import HfArgumentParser
 from dflash.data.chat_formats import load_chat_jsonl
 from dflash.demo import DEMO_HELDOUT_DATA, DEMO_TARGET_DIR, DEMO_TRAIN_DATA
 from dflash.target.gguf import is_model_path
-from dflash.util.cli import ConfigError, cli_parser
+from dflash.util.cli import ConfigError, cli_parser, without_launcher_flags
 from dflash.util.files import output_dir_problem
 
 
@@ -134,7 +134,7 @@ class RunConfig:
 def parse_config(argv: list[str] | None = None, for_training: bool = True) -> RunConfig:
     """Flags, or a single .json/.yaml file holding the same names. `for_training=False`
     (the data tools) leaves out the checks about an earlier run in --output-dir."""
-    argv = _without_launcher_flags(sys.argv[1:] if argv is None else argv)
+    argv = without_launcher_flags(sys.argv[1:] if argv is None else argv)
     parser = cli_parser((ModelArgs, DataArgs, TrainArgs))
     if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
         argv = flags_from_file(argv[0], parser)
@@ -175,19 +175,6 @@ def flags_from_file(path: str, parser: HfArgumentParser) -> list[str]:
         elif value is not None:
             argv.append(f"{flag}={value}")
     return argv
-
-
-def _without_launcher_flags(argv: list[str]) -> list[str]:
-    """The deepspeed launcher appends --local_rank=N; LOCAL_RANK in the environment says the same."""
-    kept, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg.split("=")[0] in ("--local_rank", "--local-rank"):
-            skip = "=" not in arg
-        else:
-            kept.append(arg)
-    return kept
 
 
 def fill_defaults(config: RunConfig) -> None:

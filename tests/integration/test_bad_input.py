@@ -90,10 +90,10 @@ def test_mask_token_resolution():
 
 
 def test_deepspeed_launcher_local_rank_flag_is_accepted():
-    from dflash.config import _without_launcher_flags
+    from dflash.util.cli import without_launcher_flags
 
-    assert _without_launcher_flags(["--local_rank=1", "--seed", "2"]) == ["--seed", "2"]
-    assert _without_launcher_flags(["--local-rank", "0", "--seed", "2"]) == ["--seed", "2"]
+    assert without_launcher_flags(["--local_rank=1", "--seed", "2"]) == ["--seed", "2"]
+    assert without_launcher_flags(["--local-rank", "0", "--seed", "2"]) == ["--seed", "2"]
 
 
 def test_impossible_placements():
