@@ -7,7 +7,8 @@
   dataset       TokenDataset and collate
   sampler       length-bucketed micro-batches for all data-parallel ranks
   sharegpt      ShareGPT -> prompt-only chat JSONL (python -m dflash.data.sharegpt)
-  regenerate    the target rewrites the replies (python -m dflash.regenerate)
+  regenerate    the target rewrites the replies (python -m dflash.regenerate), sharded over a launch's ranks
+  partials      regeneration's per-rank partial files (resume) and its output
   __main__      python -m dflash.data prepare|stats (a command: it reads the run's flags, dflash.config)
 
 May import: dflash.util, dflash.target (a GGUF target's tokenizer, generation for regeneration).
