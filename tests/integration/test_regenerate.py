@@ -144,6 +144,34 @@ def test_engine_choice_and_a_missing_vllm(tmp_path, capfd, monkeypatch):
     assert not (tmp_path / "o.jsonl").exists()
 
 
+def test_vllm_replies_keep_their_stop_token_and_end_at_the_targets_stop_ids(tmp_path, monkeypatch):
+    """vLLM is not installed here: a stand-in with its interface replies to each prompt with the
+    stop ids it was given (a reply that stops), or runs to max_tokens (one that does not)."""
+    import types
+
+    from dflash.data.regenerate import RegenerateArgs, vllm_generate
+
+    class LLM:
+        def __init__(self, **kwargs):
+            self.kwargs = kwargs
+
+        def generate(self, requests, params, use_tqdm):
+            def reply(ids):
+                return [7, *params.stop_token_ids] if len(ids) % 2 else [7] * params.max_tokens
+            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=tuple(reply(
+                r["prompt_token_ids"])))]) for r in requests]
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=types.SimpleNamespace))
+    args = RegenerateArgs(target=str(DEMO_TARGET_DIR), prompts=str(DEMO_HELDOUT_DATA), output=str(tmp_path / "o"),
+                          max_new_tokens=3)
+    tokenizer = load_tokenizer(str(DEMO_TARGET_DIR))
+    prompts = {0: [1, 2], 1: [1, 2, 3], 2: [1]}
+    [(batch, replies)] = list(vllm_generate(args, tokenizer, prompts))
+    assert batch == [1, 0, 2]  # longest first
+    eos = tokenizer.eos_token_id  # the demo target's only stop id
+    assert replies == [([7, eos], "stop"), ([7, 7, 7], "length"), ([7, eos], "stop")]
+
+
 def test_prompt_only_conversations_regenerate_like_those_with_a_reply(tmp_path):
     """Prompts are the natural input: a conversation ending in a user turn, or a bare
     {"prompt": ...}, gets the same reply as the same conversation with an old reply."""
