@@ -23,7 +23,7 @@ from dflash.data.prepare import CUT_REPLY_POLICIES, DEFAULT_CUT_REPLIES
 from dflash.data.thinking import THINKING_FLAG_VALUES, THINKING_HELP
 from dflash.demo import DEMO_HELDOUT_DATA, DEMO_TARGET_DIR, DEMO_TRAIN_DATA, require_demo_assets
 from dflash.target.gguf import is_model_path
-from dflash.util.cli import ConfigError, cli_parser
+from dflash.util.cli import ConfigError, cli_parser, without_launcher_flags
 from dflash.util.files import output_dir_problem
 
 DEFAULT_BUCKETS = [0, 770, 1216, 1728, 2432, 3296, 8192]
@@ -42,7 +42,7 @@ class ModelArgs:
         "help": "start drafter layer i as a copy of target layer i of this list (one per drafter layer; default: random)"})
     block_size: int | None = field(default=None, metadata={"help": "B, tokens drafted per forward (recipe 16, demo 8)"})
     draft_window: int = field(default=0, metadata={"help": "sliding window of the drafter's layers: a block sees the W context positions before its anchor (0: all)"})
-    mask_token_id: int | None = field(default=None, metadata={"help": "default: tokenizer mask token, else first unused embedding row"})
+    mask_token_id: int | None = field(default=None, metadata={"help": "default: tokenizer mask token, else a spare embedding row (a GGUF's first [PAD<row>] placeholder, else the first row past the tokenizer)"})
     attention_backend: str = field(default="auto", metadata={"help": "auto | sdpa | flex"})
     kernels: str = field(default="fast", metadata={"help": "fast (flex attention, fused lm_head loss, compiled layers on GPU) | naive (dense SDPA mask, full logits, eager: the reference the benchmark compares with)"})
 
@@ -138,7 +138,7 @@ class RunConfig:
 def parse_config(argv: list[str] | None = None, for_training: bool = True) -> RunConfig:
     """Flags, or a single .json/.yaml file holding the same names. `for_training=False`
     (the data tools) leaves out the checks about an earlier run in --output-dir."""
-    argv = _without_launcher_flags(sys.argv[1:] if argv is None else argv)
+    argv = without_launcher_flags(sys.argv[1:] if argv is None else argv)
     parser = cli_parser((ModelArgs, DataArgs, TrainArgs))
     if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
         argv = flags_from_file(argv[0], parser)
@@ -179,19 +179,6 @@ def flags_from_file(path: str, parser: HfArgumentParser) -> list[str]:
         elif value is not None:
             argv.append(f"{flag}={value}")
     return argv
-
-
-def _without_launcher_flags(argv: list[str]) -> list[str]:
-    """The deepspeed launcher appends --local_rank=N; LOCAL_RANK in the environment says the same."""
-    kept, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg.split("=")[0] in ("--local_rank", "--local-rank"):
-            skip = "=" not in arg
-        else:
-            kept.append(arg)
-    return kept
 
 
 def fill_defaults(config: RunConfig) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -219,8 +220,8 @@ class FrozenTarget:
 
 
 def resolve_mask_token_id(tokenizer, target_config, requested: int | None) -> int:
-    """The block's MASK id: --mask-token-id, else the tokenizer's mask token, else the first
-    embedding row past the tokenizer (unused rows, as Qwen3 has), else an error."""
+    """The block's MASK id: --mask-token-id, else the tokenizer's mask token, else a spare
+    embedding row (spare_row), else an error."""
     rows = target_config.vocab_size
     if requested is not None:
         if not 0 <= requested < rows:
@@ -229,12 +230,29 @@ def resolve_mask_token_id(tokenizer, target_config, requested: int | None) -> in
         return requested
     if getattr(tokenizer, "mask_token_id", None) is not None:
         return tokenizer.mask_token_id
-    if len(tokenizer) < rows:
-        return len(tokenizer)
+    spare = spare_row(tokenizer, rows)
+    if spare is not None:
+        return spare
     raise TargetError(
         f"the tokenizer uses all {rows} embedding rows of the target and has no mask token; pass "
         "--mask-token-id with the id of a token the target never emits (e.g. an unused special token)"
     )
+
+
+# llama.cpp's converter lists a row that has no token as the placeholder "[PAD<row>]" (Qwen's
+# rows 151665 and up), and transformers keeps it in the vocabulary of a GGUF's tokenizer
+PLACEHOLDER = re.compile(r"\[PAD(\d+)\]")
+
+
+def spare_row(tokenizer, rows: int) -> int | None:
+    """An embedding row no token of the tokenizer names, so the target never emits it: the first
+    placeholder row of a GGUF tokenizer, else the first row past the tokenizer (Qwen3's reserved
+    rows); None when every row is a token."""
+    placeholders = [index for token, index in tokenizer.get_vocab().items()
+                    if index < rows and (match := PLACEHOLDER.fullmatch(token)) and int(match.group(1)) == index]
+    if placeholders:
+        return min(placeholders)
+    return len(tokenizer) if len(tokenizer) < rows else None
 
 
 SPECIAL_ROLES = {"eos": "end-of-sequence", "pad": "padding", "bos": "beginning-of-sequence"}

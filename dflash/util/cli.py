@@ -33,6 +33,19 @@ def help_with_default(text: str | None, default) -> str | None:
     return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
 
+def without_launcher_flags(argv: list[str]) -> list[str]:
+    """The deepspeed launcher appends --local_rank=N; LOCAL_RANK in the environment says the same."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg.split("=")[0] in ("--local_rank", "--local-rank"):
+            skip = "=" not in arg
+        else:
+            kept.append(arg)
+    return kept
+
+
 def user_error(err: Exception) -> int:
     """A user's mistake ends a command in one line on stderr, no traceback: exit status 2."""
     print(f"error: {err}", file=sys.stderr)

@@ -7,6 +7,7 @@ import errno
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 
@@ -59,9 +60,14 @@ def fsync_dir(path: Path) -> None:
 
 def write_text_durably(path: Path, text: str) -> None:
     """Write a temp file, flush it, rename it over `path`: readers see the old or the new file."""
+    write_lines_durably(path, [text])
+
+
+def write_lines_durably(path: Path, lines: Iterable[str]) -> None:
+    """write_text_durably for text made piece by piece: a large file is never held whole."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(lines)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

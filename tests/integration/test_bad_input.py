@@ -88,13 +88,16 @@ def test_mask_token_resolution():
     full = tiny_causal_lm(vocab_size=len(tokenizer)).config
     with pytest.raises(TargetError, match="pass\n?.*--mask-token-id"):
         resolve_mask_token_id(tokenizer, full, None)
+    tokenizer.add_tokens(["[PAD3]"])  # a real token, spelled like the placeholder of another row
+    with pytest.raises(TargetError, match="pass\n?.*--mask-token-id"):
+        resolve_mask_token_id(tokenizer, tiny_causal_lm(vocab_size=len(tokenizer)).config, None)
 
 
 def test_deepspeed_launcher_local_rank_flag_is_accepted():
-    from dflash.config import _without_launcher_flags
+    from dflash.util.cli import without_launcher_flags
 
-    assert _without_launcher_flags(["--local_rank=1", "--seed", "2"]) == ["--seed", "2"]
-    assert _without_launcher_flags(["--local-rank", "0", "--seed", "2"]) == ["--seed", "2"]
+    assert without_launcher_flags(["--local_rank=1", "--seed", "2"]) == ["--seed", "2"]
+    assert without_launcher_flags(["--local-rank", "0", "--seed", "2"]) == ["--seed", "2"]
 
 
 def test_impossible_placements():

@@ -40,8 +40,10 @@ def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int) -> np.nd
             .swapaxes(1, 2).reshape(weights.shape))
 
 
-def write_gguf(model, tokenizer, path: Path) -> Path:
-    """`model` (a LlamaForCausalLM) and `tokenizer` (byte-level BPE) as llama.cpp writes them, in F32."""
+def write_gguf(model, tokenizer, path: Path, placeholders: gguf.TokenType | None = None) -> Path:
+    """`model` (a LlamaForCausalLM) and `tokenizer` (byte-level BPE) as llama.cpp writes them, in F32.
+    `placeholders`: the rows past the tokenizer are listed as "[PAD<row>]" tokens of that type, as
+    llama.cpp's converter lists them for Qwen (UNUSED; older converters: USER_DEFINED)."""
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_context_length(cfg.max_position_embeddings)
@@ -55,9 +57,12 @@ def write_gguf(model, tokenizer, path: Path) -> Path:
     writer.add_uint32("llama.vocab_size", cfg.vocab_size)  # more rows than tokens: spare ones, as Qwen3 has
     tokens = [token for token, _ in sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])]
     writer.add_tokenizer_model("gpt2")
+    types = [gguf.TokenType.CONTROL if t in tokenizer.all_special_tokens else gguf.TokenType.NORMAL for t in tokens]
+    if placeholders is not None:
+        padding = range(len(tokens), cfg.vocab_size)
+        tokens, types = tokens + [f"[PAD{row}]" for row in padding], types + [placeholders] * len(padding)
     writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.CONTROL if t in tokenizer.all_special_tokens else gguf.TokenType.NORMAL
-                            for t in tokens])
+    writer.add_token_types(types)
     merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
     writer.add_token_merges([" ".join(pair) for pair in merges])
     writer.add_eos_token_id(tokenizer.eos_token_id)
@@ -85,14 +90,15 @@ def write_gguf(model, tokenizer, path: Path) -> Path:
     return path
 
 
-def tiny_gguf(folder: Path, tied: bool = False) -> tuple[torch.nn.Module, Path]:
+def tiny_gguf(folder: Path, tied: bool = False, placeholders: gguf.TokenType | None = None,
+              ) -> tuple[torch.nn.Module, Path]:
     tokenizer = make_tiny_tokenizer()
     model = tiny_causal_lm("llama", vocab_size=len(tokenizer) + 3)
     if tied:
         model.config.tie_word_embeddings = True
         model.tie_weights()
     folder.mkdir(parents=True, exist_ok=True)
-    return model, write_gguf(model, tokenizer, folder / "tiny.gguf")
+    return model, write_gguf(model, tokenizer, folder / "tiny.gguf", placeholders)
 
 
 @pytest.fixture
@@ -246,3 +252,19 @@ def test_regenerate_serves_a_gguf_target(tmp_path):
                                        engine="hf", max_new_tokens=4, device="cpu", dtype="float32"))
     assert len(output.read_text().splitlines()) == 2
     assert (tmp_path / "tiny.gguf.hf" / "gguf_source.json").is_file()
+
+
+@pytest.mark.parametrize("placeholders", [gguf.TokenType.UNUSED, gguf.TokenType.USER_DEFINED])
+def test_the_mask_is_the_first_placeholder_row_of_a_gguf_tokenizer(tmp_path, placeholders):
+    """A Qwen GGUF lists every embedding row as a token, the rows without one as "[PAD<row>]":
+    the default mask is the first of those, never a real token."""
+    from dflash.target.frozen import resolve_mask_token_id
+
+    model, path = tiny_gguf(tmp_path, placeholders=placeholders)
+    first = len(make_tiny_tokenizer())
+    config = load_target_config(resolve_target(path))
+    for tokenizer in (load_tokenizer(path), load_tokenizer(tmp_path / "tiny.gguf.hf")):  # the file's, the copy
+        assert len(tokenizer) == config.vocab_size == model.config.vocab_size  # no row past the tokenizer
+        assert tokenizer.convert_ids_to_tokens(first) == f"[PAD{first}]"
+        assert resolve_mask_token_id(tokenizer, config, None) == first
+
