@@ -82,7 +82,8 @@ class PeerError(RuntimeError):
 
 class RankGroup:
     """Syncs the ranks of a launch. A peer that dies shows at once (its sockets close); one that
-    stalls, after `timeout_s` (the command's `timeout_flag`). One process needs no group: every sync returns at once."""
+    stalls, after `timeout_s` (the command's `timeout_flag`). One process needs no group: every
+    sync returns at once."""
 
     def __init__(self, launch: Launch, timeout_s: float, timeout_flag: str) -> None:
         self.launch = launch
