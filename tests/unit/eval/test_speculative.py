@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -65,6 +66,59 @@ def test_every_acceptance_length_stays_lossless(arch, kind, monkeypatch):
     assert spec.tokens == reference[len(prompt):len(prompt) + NEW_TOKENS]
     assert max(spec.accepted) == block - 1 and min(spec.accepted) < block - 1
     assert spec.target_forwards < NEW_TOKENS / 2
+
+
+def reference_greedy(target, prompt: list[int], count: int) -> list[int]:
+    """Greedy decoding the plainest way: HF's forward over the whole sequence, no cache."""
+    ids = list(prompt)
+    for _ in range(count):
+        ids.append(int(target.model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@contextlib.contextmanager
+def host_reads():
+    """Counts the reads of a tensor's values into Python (on a GPU, each waits for the device)."""
+    reads = []
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("tolist", "item", "__int__", "__bool__", "__float__", "__index__"):
+            def counted(self, *args, _name=name, _original=getattr(torch.Tensor, name), **kwargs):
+                reads.append(_name)
+                return _original(self, *args, **kwargs)
+
+            patch.setattr(torch.Tensor, name, counted)
+        yield reads
+
+
+@pytest.mark.parametrize("kind", ["plain", "fast"])
+def test_greedy_reads_back_every_few_steps_and_gives_the_reply_up_to_its_first_end(kind, monkeypatch):
+    """Decoder.greedy keeps its tokens on the device and looks for an end of sequence every
+    EOS_CHECK_EVERY steps: the reply is the greedy one cut after its first end, whether that is
+    the first token, the last or the first of a checked window, later, or never, and whatever
+    max_new_tokens is (a multiple of the window or not)."""
+    monkeypatch.setattr(speculative, "EOS_CHECK_EVERY", 4)
+    target = tiny_target("llama")
+    prompt = PROMPTS[0]
+    free = reference_greedy(target, prompt, 30)
+    decoder = speculative.Decoder(target, None, len(prompt) + 30, kind)
+    first = {token: free.index(token) for token in reversed(free)}
+    ends = {0, 6, 7, 17, 20, 25, 26}  # 7 and 20: the last and the first token of a window
+    assert ends <= set(first.values()), "the reply's first occurrences moved: pick other ends"
+    for new_tokens in (1, 4, 9, 30):
+        assert decoder.greedy(prompt, new_tokens, set()).tokens == free[:new_tokens]
+    for new_tokens, end in [(30, end) for end in sorted(ends)] + [(9, 7), (9, 20)]:
+        eos = {free[end], MASK_ID}  # MASK_ID: never emitted here
+        assert decoder.greedy(prompt, new_tokens, eos).tokens == free[: min(end + 1, new_tokens)]
+
+
+def test_greedy_reads_the_device_once_per_check_not_per_token(monkeypatch):
+    monkeypatch.setattr(speculative, "EOS_CHECK_EVERY", 4)
+    target = tiny_target("llama")
+    decoder = speculative.Decoder(target, None, 64, "fast")
+    with host_reads() as reads:
+        reply = decoder.greedy(PROMPTS[0], 30, {MASK_ID})
+    assert len(reply.tokens) == 30
+    assert len(reads) <= 30 // 4 + 1, reads  # one per check, one for the reply
 
 
 def test_stops_at_eos():
