@@ -8,9 +8,9 @@ Each conversation keeps its turns up to the last user turn; the final reply is r
 target's. With vLLM installed and a GPU visible, vLLM generates (`--engine auto`, the default);
 otherwise, for the families dflash.target.static runs (Llama, Mistral, Qwen2/3), the
 static-cache engine does (`fast`: CUDA graphs, one replay per token for a whole batch; greedy, or
-sampled inside the graph), else HF generation (`hf`). Both batch longest prompts first, at most
---batch-tokens (rows x (longest prompt + new tokens), left-padded) per batch, so padding stays
-small and an out-of-memory shows in the first batch. Replies are kept exactly as the target wrote them (whitespace included).
+sampled inside the graph, continuous batching with rows sized from the free memory), else HF
+generation (`hf`). Both run longest prompts first, at most --batch-tokens (rows x (longest
+prompt + new tokens)) per batch when it is set, so an out-of-memory shows in the first batch. Replies are kept exactly as the target wrote them (whitespace included).
 Finished replies are appended to <output>.partial as they come, so a killed run resumes where
 it stopped; at the end <output> holds every conversation in input order, usable as
 --train-data. Greedy by default; `--sampling target` uses the target's generation_config
@@ -35,7 +35,7 @@ from transformers import GenerationConfig
 from dflash.data.chat_formats import DataError, load_chat_jsonl
 from dflash.data.tokenization import load_tokenizer, prompt_ids, prompt_messages
 from dflash.target.frozen import FrozenTarget, TargetError, load_target_config
-from dflash.target.generate import generate_batches
+from dflash.target.generate import generate_batches, stop_token_ids
 from dflash.target.graphs import GraphReplays
 from dflash.target.gguf import is_model_path, resolve_target
 from dflash.target.sampling import Sampling
@@ -46,6 +46,7 @@ from dflash.util.runtime import pick_device, setup_logging
 
 logger = logging.getLogger(__name__)
 VLLM_CHUNK = 4096
+HF_BATCH_TOKENS = 262144  # hf's batch at --batch-tokens 0 (an 8B target's KV cache: 38 GB)
 
 
 @dataclass
@@ -56,9 +57,10 @@ class RegenerateArgs:
     output: str = field(metadata={"help": "chat JSONL to write (usable as --train-data)"})
     tokenizer: str | None = field(default=None, metadata={"help": "default: --target"})
     max_new_tokens: int = 2048
-    batch_tokens: int = field(default=262144, metadata={
-        "help": "hf and fast engines: rows x (the batch's longest prompt + --max-new-tokens) per batch "
-                "(an 8B target's KV cache at the default: 38 GB)"})
+    batch_tokens: int = field(default=0, metadata={
+        "help": "hf and fast engines: at most rows x (the batch's longest prompt + --max-new-tokens) per batch; "
+                "0: the fast engine sizes its batch from the target's shapes and the free memory, hf uses "
+                f"{HF_BATCH_TOKENS}"})
     engine: str = field(default="auto", metadata={
         "help": "auto (vllm when it is installed and a GPU is visible, else fast where it applies, else hf) | "
                 "fast (static KV cache, CUDA graphs; Llama, Mistral, Qwen2/3) | hf | vllm"})
@@ -73,7 +75,7 @@ class RegenerateArgs:
 def check_args(args: RegenerateArgs) -> None:
     problems = [
         (args.max_new_tokens >= 1, f"--max-new-tokens {args.max_new_tokens}: use at least 1"),
-        (args.batch_tokens >= 1, f"--batch-tokens {args.batch_tokens}: use at least 1"),
+        (args.batch_tokens >= 0, f"--batch-tokens {args.batch_tokens}: use 0 (sized from memory) or a token count"),
         (args.engine in ("auto", "fast", "hf", "vllm"), f"--engine {args.engine}: use auto, fast, hf or vllm"),
         (args.engine != "vllm" or vllm_available(), "--engine vllm: vllm is not installed; pip install vllm, "
                                                     "or use --engine hf"),
@@ -155,13 +157,6 @@ def load_target(args: RegenerateArgs) -> FrozenTarget:
     return target
 
 
-def stop_token_ids(model, tokenizer) -> set[int]:
-    eos = model.generation_config.eos_token_id
-    stop_ids = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}
-    stop_ids.discard(None)
-    return stop_ids
-
-
 def reply(tokenizer, tokens: list[int]) -> tuple[str, int]:
     return tokenizer.decode(tokens, skip_special_tokens=True), len(tokens)
 
@@ -172,7 +167,7 @@ def hf_generate(args: RegenerateArgs, tokenizer, prompts: dict[int, list[int]], 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     stop_ids = stop_token_ids(model, tokenizer)
     settings = generation_settings(model, args, pad_id)
-    for batch in batches_by_length(todo, args.max_new_tokens, args.batch_tokens):
+    for batch in batches_by_length(todo, args.max_new_tokens, args.batch_tokens or HF_BATCH_TOKENS):
         replies = generate_batch(model, [prompts[i] for i in batch], settings, pad_id, stop_ids)
         yield batch, [reply(tokenizer, r) for r in replies]
 
@@ -190,14 +185,16 @@ def fast_sampling(args: RegenerateArgs) -> Sampling | None:
 
 
 def fast_generate(args: RegenerateArgs, tokenizer, prompts: dict[int, list[int]], todo: dict[int, int]):
-    """Generation on the static-cache target, greedy or sampled; yields like hf_generate."""
+    """Generation on the static-cache target, greedy or sampled; yields like hf_generate (the
+    engine's replies keep the stop token that ended them: it is not part of the text)."""
     sampling = fast_sampling(args)
     target = load_target(args)
     stop_ids = stop_token_ids(target.model, tokenizer)
     todo_prompts = {i: prompts[i] for i in todo}
     for batch, replies in generate_batches(target, todo_prompts, args.max_new_tokens, stop_ids, args.batch_tokens,
                                            sampling):
-        yield batch, [reply(tokenizer, r) for r in replies]
+        yield batch, [(reply(tokenizer, tokens[:-1] if finish == "stop" else tokens)[0], len(tokens))
+                      for tokens, finish in replies]
     if GraphReplays.captures:
         logger.info("CUDA graphs: %d captured, %.1f s in all (a batch's step is captured again whenever it "
                     "changes shape)", GraphReplays.captures, GraphReplays.capture_seconds)

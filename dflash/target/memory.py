@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash.target.frozen import TargetError
+
 # Kept free: allocator fragmentation, cuBLAS/cuDNN workspaces, CUDA graphs' own bookkeeping.
 MARGIN_FRACTION = 0.10
 MARGIN_BYTES = 2 * 2**30
@@ -42,7 +44,7 @@ PREFILL_ROWS_MAX = 256  # rows per prefill chunk (each brings its last position'
 MAX_ROWS = 4096  # a step of more rows is no faster per row; a batch this wide drains slowly
 
 
-class MemoryPlanError(ValueError):
+class MemoryPlanError(TargetError):
     """Not even one row fits: what was free, what one row needs, and what to change."""
 
 
