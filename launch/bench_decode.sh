@@ -4,7 +4,7 @@
 # tokens/s with --engine hf on a few prompts and --engine fast on all of them.
 #   TARGET=model.gguf PROMPTS=train_prompts.jsonl HELDOUT=heldout.jsonl RUN_DIR=runs/bench_decode bash launch/bench_decode.sh
 # Knobs: HF_LIMIT=128 (prompts for the slow HF engine), LIMIT=0 (fast engine: 0 = all),
-#        MAX_NEW=384, BATCH_TOKENS=2097152 (regeneration batch, as launch/real.sh), PYTHON (launch/python.sh).
+#        MAX_NEW=384, BATCH_TOKENS=0 (regeneration batch cap, 0: from memory, as launch/real.sh), PYTHON (launch/python.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source launch/python.sh
@@ -17,6 +17,6 @@ for engine in hf fast; do
   limit=$([ $engine = hf ] && echo "${HF_LIMIT:-128}" || echo "${LIMIT:-0}")
   rm -f "$OUT/regen_$engine.jsonl.partial"
   "$PY" -m dflash.regenerate --target "$TARGET" --prompts "$PROMPTS" --output "$OUT/regen_$engine.jsonl" \
-    --engine $engine --limit "$limit" --max-new-tokens "${MAX_NEW:-384}" --batch-tokens "${BATCH_TOKENS:-2097152}" 2>&1 \
+    --engine $engine --limit "$limit" --max-new-tokens "${MAX_NEW:-384}" --batch-tokens "${BATCH_TOKENS:-0}" 2>&1 \
     | tee "$OUT/regen_$engine.log" | grep -E "generated|wrote"
 done

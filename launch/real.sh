@@ -16,8 +16,8 @@
 #   RUN=runs/real      output: data/ (prompts, regen.jsonl), drafter/, metrics.jsonl, eval_*.json
 #   SAMPLES=0          train prompts to regenerate and train on (0: all, about 25.8K)
 #   MAX_NEW=384        reply tokens the target writes per prompt
-#   BATCH_TOKENS=2097152  regeneration batch: rows x (longest prompt + MAX_NEW); this target's KV
-#                      cache takes 23 KB per token, so 48 GB at the default (halve it on a smaller GPU)
+#   BATCH_TOKENS=0     regeneration batch cap, rows x (longest prompt + MAX_NEW); 0: sized from the
+#                      target's shapes and the free GPU memory
 #   EPOCHS=3           training epochs (3: 16 minutes of training on an H200, tau 3.19 at 384 tokens)
 #   MAX_TOKENS=32768   tokens per micro-batch (a 135M target leaves the GPU idle at the recipe's 8192)
 #   MASK_ID            the drafter's mask token (default: a spare embedding row, found automatically;
@@ -66,7 +66,7 @@ if [ -f "$DATA/regen.jsonl" ]; then
   echo "reusing $DATA/regen.jsonl (delete it to regenerate)"
 else
   "$PY" -m dflash.regenerate --target "$TARGET" --prompts "$DATA/train_prompts.jsonl" --output "$DATA/regen.jsonl" \
-    --max-new-tokens "${MAX_NEW:-384}" --batch-tokens "${BATCH_TOKENS:-2097152}" --limit "${SAMPLES:-0}"
+    --max-new-tokens "${MAX_NEW:-384}" --batch-tokens "${BATCH_TOKENS:-0}" --limit "${SAMPLES:-0}"
 fi
 
 started=$SECONDS

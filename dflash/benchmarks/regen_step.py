@@ -1,11 +1,13 @@
-"""One batched decode step of a target on the static-cache engine (what regeneration repeats):
-ms per step and row-steps/s at given batch shapes, and with --profile the GPU kernels that take
-its time (torch.profiler over a few eager steps).
+"""Regeneration speed on the static-cache engine: the whole engine on real prompts (new tokens/s
+with the batch sized from memory, as `python -m dflash.regenerate --engine fast` runs it, model
+loading left out), or one batched decode step at given shapes (ms per step, row-steps/s) and,
+with --profile, the GPU kernels that take its time (torch.profiler over a few eager steps).
 
+    python -m dflash.benchmarks.regen_step --target model.gguf --prompts train_prompts.jsonl --limit 4000
     python -m dflash.benchmarks.regen_step --target model.gguf --shapes 1024x1024x600,341x3072x2400 --profile
 
-A shape is rows x cache columns x prompt tokens (random prompts, no padding); steps run as CUDA
-graph replays on a GPU, as regeneration runs them.
+A shape is rows x cache columns x prompt tokens (random prompts, every row at the same column);
+steps run as CUDA graph replays on a GPU, as regeneration runs them.
 """
 
 from __future__ import annotations
@@ -18,8 +20,12 @@ from pathlib import Path
 
 import torch
 
+from dflash.data.chat_formats import load_chat_jsonl
+from dflash.data.tokenization import load_tokenizer, prompt_ids
 from dflash.target.frozen import FrozenTarget
+from dflash.target.generate import generate_batches, stop_token_ids
 from dflash.target.gguf import resolve_target
+from dflash.target.graphs import GraphReplays
 from dflash.target.static import StaticTarget
 from dflash.util.cli import cli_parser
 from dflash.util.runtime import pick_device, setup_logging, synchronize
@@ -30,19 +36,26 @@ logger = logging.getLogger(__name__)
 @torch.no_grad()
 def time_steps(target: FrozenTarget, rows: int, capacity: int, prompt: int, steps: int, profile: bool) -> dict:
     static = StaticTarget(target, rows, capacity)
-    static.set_padding([0] * rows)
     vocab = target.embed_tokens.weight.shape[0]
     ids = torch.randint(0, vocab, (rows, prompt), generator=torch.Generator().manual_seed(0)).to(target.device)
-    choice, _ = static.prefill(ids)
+    choice = static.extend_rows(ids, torch.arange(rows, device=target.device), 0,
+                                torch.full((rows,), prompt - 1, device=target.device))
+    columns = torch.full((rows,), prompt, device=target.device)
     column = prompt
-    for _ in range(3):  # graph captures of the spans ahead
-        choice, _ = static.step(choice, column)
+
+    def step(choice):
+        nonlocal column
+        choice = static.step_rows(choice, columns, column + 1)
+        columns.add_(1)
         column += 1
+        return choice
+
+    for _ in range(3):  # graph captures of the spans ahead
+        choice = step(choice)
     synchronize(target.device)
     start = time.perf_counter()
     for _ in range(steps):
-        choice, _ = static.step(choice, column)
-        column += 1
+        choice = step(choice)
     synchronize(target.device)
     seconds = (time.perf_counter() - start) / steps
     result = {"rows": rows, "capacity": static.capacity, "prompt": prompt, "ms_per_step": round(seconds * 1e3, 3),
@@ -55,12 +68,31 @@ def time_steps(target: FrozenTarget, rows: int, capacity: int, prompt: int, step
         activities = [ProfilerActivity.CUDA] if target.device.type == "cuda" else [ProfilerActivity.CPU]
         with profiler(activities=activities) as prof:
             for _ in range(5):
-                choice, _ = static.step(choice, column)
-                column += 1
+                choice = step(choice)
             synchronize(target.device)
         sort = "cuda_time_total" if target.device.type == "cuda" else "cpu_time_total"
         result["profile"] = prof.key_averages().table(sort_by=sort, row_limit=12, max_name_column_width=70)
     return result
+
+
+@torch.no_grad()
+def time_engine(target: FrozenTarget, prompts: dict[int, list[int]], max_new_tokens: int, stop_ids: set[int],
+                batch_tokens: int) -> dict:
+    """The engine over these prompts, from the first prefill to the last reply."""
+    captures, capture_seconds = GraphReplays.captures, GraphReplays.capture_seconds
+    synchronize(target.device)
+    start = time.perf_counter()
+    new_tokens, stopped = 0, 0
+    for _, replies in generate_batches(target, prompts, max_new_tokens, stop_ids, batch_tokens):
+        new_tokens += sum(len(tokens) for tokens, _ in replies)
+        stopped += sum(finish == "stop" for _, finish in replies)
+    synchronize(target.device)
+    seconds = time.perf_counter() - start
+    return {"prompts": len(prompts), "prompt_tokens": sum(map(len, prompts.values())), "new_tokens": new_tokens,
+            "stopped": stopped, "seconds": round(seconds, 2), "new_tokens_per_second": round(new_tokens / seconds),
+            "conversations_per_second": round(len(prompts) / seconds, 1),
+            "graph_captures": GraphReplays.captures - captures,
+            "capture_seconds": round(GraphReplays.capture_seconds - capture_seconds, 2)}
 
 
 def parse_shapes(text: str) -> list[tuple[int, int, int]]:
@@ -77,7 +109,13 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
 @dataclass
 class RegenStepArgs:
     target: str = field(metadata={"help": "an HF folder or a .gguf file"})
-    shapes: str = field(default="1024x1024x600,341x3072x2400", metadata={"help": "rows x capacity x prompt, comma-separated"})
+    prompts: str | None = field(default=None, metadata={
+        "help": "chat JSONL: time the whole engine on its prompts (what dflash.regenerate --engine fast runs)"})
+    limit: int = field(default=4000, metadata={"help": "with --prompts: the first N conversations (0: all)"})
+    max_new_tokens: int = 384
+    batch_tokens: int = field(default=0, metadata={"help": "with --prompts: 0 sizes the batch from memory"})
+    shapes: str = field(default="1024x1024x600,341x3072x2400",
+                        metadata={"help": "rows x capacity x prompt, comma-separated"})
     steps: int = 50
     profile: bool = field(default=False, metadata={"help": "also list the kernels that take the step's time"})
     dtype: str = "bfloat16"
@@ -88,16 +126,28 @@ class RegenStepArgs:
 def main(argv: list[str] | None = None) -> int:
     (args,) = cli_parser(RegenStepArgs).parse_args_into_dataclasses(argv)
     setup_logging(0)
-    shapes = parse_shapes(args.shapes)
-    target = FrozenTarget.load(resolve_target(args.target), [0], getattr(torch, args.dtype), pick_device(args.device, 0))
+    folder = resolve_target(args.target)
+    target = FrozenTarget.load(folder, [0], getattr(torch, args.dtype), pick_device(args.device, 0))
     results = []
-    for rows, capacity, prompt in shapes:
-        result = time_steps(target, rows, capacity, prompt, args.steps, args.profile)
-        logger.info("rows %d x %d columns, prompt %d: %.2f ms per step, %d row-steps/s", rows, result["capacity"],
-                    prompt, result["ms_per_step"], result["row_steps_per_second"])
-        if "profile" in result:
-            logger.info("%s", result["profile"])
+    if args.prompts:
+        tokenizer = load_tokenizer(folder)
+        conversations = load_chat_jsonl(args.prompts, require_reply=False)[: args.limit or None]
+        prompts = {i: prompt_ids(tokenizer, messages) for i, messages in enumerate(conversations)}
+        result = time_engine(target, prompts, args.max_new_tokens, stop_token_ids(target.model.generation_config, tokenizer),
+                             args.batch_tokens)
+        logger.info("%d prompts (%d tokens): %d new tokens in %.1f s, %d new tokens/s, %.1f conversations/s "
+                    "(%d CUDA graph captures, %.1f s)", result["prompts"], result["prompt_tokens"],
+                    result["new_tokens"], result["seconds"], result["new_tokens_per_second"],
+                    result["conversations_per_second"], result["graph_captures"], result["capture_seconds"])
         results.append(result)
+    else:
+        for rows, capacity, prompt in parse_shapes(args.shapes):
+            result = time_steps(target, rows, capacity, prompt, args.steps, args.profile)
+            logger.info("rows %d x %d columns, prompt %d: %.2f ms per step, %d row-steps/s", rows, result["capacity"],
+                        prompt, result["ms_per_step"], result["row_steps_per_second"])
+            if "profile" in result:
+                logger.info("%s", result["profile"])
+            results.append(result)
     if args.output:
         Path(args.output).write_text(json.dumps(results, indent=1) + "\n")
     return 0

@@ -52,10 +52,9 @@ import torch
 
 from dflash.data.chat_formats import DataError
 from dflash.data.prompt_filters import Fingerprint, NearDuplicates, looks_like_code, mostly_ascii, user_turns
-from dflash.data.regenerate import stop_token_ids
 from dflash.data.tokenization import load_tokenizer, require_chat_template
 from dflash.target.frozen import FrozenTarget, TargetError, load_target_config
-from dflash.target.generate import generate_batches
+from dflash.target.generate import generate_batches, stop_token_ids
 from dflash.target.gguf import is_model_path, resolve_target
 from dflash.target.sampling import Sampling
 from dflash.target.static import FAST_FAMILIES
@@ -282,7 +281,7 @@ def build_prompts(args: MagpieArgs) -> BuildReport:
     logger.info("user header: %r%s; %d held-out turns", headers[0],
                 f", steered: {headers[1]!r}" if steer else "", pool.heldout)
     target = load_target(args)
-    stop_ids = stop_token_ids(target.model, tokenizer)
+    stop_ids = stop_token_ids(target.model.generation_config, tokenizer)
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     while report.rounds < args.max_rounds and not pool.full():
         plain, steered = plan_round(pool.missing(), pool.passed, report.rows, steer)

@@ -10,10 +10,10 @@ target's, and "target_reply" records the ids the target emitted (its stop token 
 the reply ended ("stop" | "length") and the prompt's thinking mode. With vLLM installed and a GPU
 visible, vLLM generates (`--engine auto`, the default); otherwise, for the families
 dflash.target.static runs (Llama, Mistral, Qwen2/3), the static-cache engine does (`fast`: CUDA
-graphs, one replay per token for a whole batch; greedy, or sampled inside the graph), else HF
-generation (`hf`). Both batch longest prompts first, at most --batch-tokens (rows x (longest
-prompt + new tokens), left-padded) per batch, so padding stays small and an out-of-memory shows in
-the first batch. Replies are kept exactly as the target wrote them (whitespace included).
+graphs, one replay per token for a whole batch; greedy, or sampled inside the graph; continuous
+batching, a finished row taking the next prompt at once, with rows sized from the free memory),
+else HF generation (`hf`). Both run longest prompts first, at most --batch-tokens (rows x (longest
+prompt + new tokens)) per batch when it is set, so an out-of-memory shows in the first batch. Replies are kept exactly as the target wrote them (whitespace included).
 Under a launcher each rank generates a share of the prompts on its own GPU (dealt longest first,
 so the shares match in count and length). Each rank appends its finished replies to its own
 partial file (dflash.data.partials) as they come, so a killed run resumes where it stopped, with
@@ -43,7 +43,7 @@ from dflash.data.partials import PartialSink, partial_path, read_partials, write
 from dflash.data.thinking import THINKING_FLAG_VALUES, THINKING_HELP, resolve_thinking, thinking_kwargs
 from dflash.data.tokenization import load_tokenizer, prompt_ids, prompt_messages
 from dflash.target.frozen import FrozenTarget, TargetError, load_target_config
-from dflash.target.generate import generate_batches
+from dflash.target.generate import generate_batches, stop_token_ids
 from dflash.target.graphs import GraphReplays
 from dflash.target.gguf import gguf_file, is_model_path, resolve_target
 from dflash.target.sampling import Sampling
@@ -55,6 +55,7 @@ from dflash.util.runtime import pick_device, setup_logging
 
 logger = logging.getLogger(__name__)
 VLLM_CHUNK = 4096
+HF_BATCH_TOKENS = 262144  # hf's batch at --batch-tokens 0 (an 8B target's KV cache: 38 GB)
 
 
 @dataclass
@@ -65,9 +66,10 @@ class RegenerateArgs:
     output: str = field(metadata={"help": "chat JSONL to write (usable as --train-data)"})
     tokenizer: str | None = field(default=None, metadata={"help": "default: --target"})
     max_new_tokens: int = 2048
-    batch_tokens: int = field(default=262144, metadata={
-        "help": "hf and fast engines: rows x (the batch's longest prompt + --max-new-tokens) per batch "
-                "(an 8B target's KV cache at the default: 38 GB)"})
+    batch_tokens: int = field(default=0, metadata={
+        "help": "hf and fast engines: at most rows x (the batch's longest prompt + --max-new-tokens) per batch; "
+                "0: the fast engine sizes its batch from the target's shapes and the free memory, hf uses "
+                f"{HF_BATCH_TOKENS}"})
     engine: str = field(default="auto", metadata={
         "help": "auto (vllm when it is installed and a GPU is visible, else fast where it applies, else hf) | "
                 "fast (static KV cache, CUDA graphs; Llama, Mistral, Qwen2/3) | hf | vllm"})
@@ -85,7 +87,7 @@ class RegenerateArgs:
 def check_args(args: RegenerateArgs) -> None:
     problems = [
         (args.max_new_tokens >= 1, f"--max-new-tokens {args.max_new_tokens}: use at least 1"),
-        (args.batch_tokens >= 1, f"--batch-tokens {args.batch_tokens}: use at least 1"),
+        (args.batch_tokens >= 0, f"--batch-tokens {args.batch_tokens}: use 0 (sized from memory) or a token count"),
         (args.engine in ("auto", "fast", "hf", "vllm"), f"--engine {args.engine}: use auto, fast, hf or vllm"),
         (args.engine != "vllm" or vllm_available(), "--engine vllm: vllm is not installed; pip install vllm, "
                                                     "or use --engine hf"),
@@ -180,13 +182,6 @@ def target_generation_config(target: str) -> GenerationConfig:
         return GenerationConfig.from_model_config(load_target_config(target))
 
 
-def stop_token_ids(generation_config: GenerationConfig, tokenizer) -> set[int]:
-    eos = generation_config.eos_token_id
-    stop_ids = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}
-    stop_ids.discard(None)
-    return stop_ids
-
-
 def target_reply(token_ids: list[int], finish_reason: str, args: RegenerateArgs) -> dict:
     """The output record's "target_reply": the ids the target emitted for the final reply (its stop
     token included when finish_reason is "stop"; "length": cut at --max-new-tokens), and the
@@ -206,7 +201,7 @@ def hf_generate(args: RegenerateArgs, tokenizer, prompts: dict[int, list[int]]):
     stop_ids = stop_token_ids(model.generation_config, tokenizer)
     settings = generation_settings(model, args, pad_id)
     lengths = {i: len(p) for i, p in prompts.items()}
-    for batch in batches_by_length(lengths, args.max_new_tokens, args.batch_tokens):
+    for batch in batches_by_length(lengths, args.max_new_tokens, args.batch_tokens or HF_BATCH_TOKENS):
         yield batch, generate_batch(model, [prompts[i] for i in batch], settings, pad_id, stop_ids)
 
 
@@ -219,17 +214,12 @@ def fast_sampling(args: RegenerateArgs) -> Sampling | None:
 
 
 def fast_generate(args: RegenerateArgs, tokenizer, prompts: dict[int, list[int]]):
-    """Generation on the static-cache target, greedy or sampled; yields like hf_generate."""
+    """Generation on the static-cache target, greedy or sampled; yields like hf_generate (the engine's
+    replies keep the stop token that ended them)."""
     sampling = fast_sampling(args)
     target = load_target(args)
     stop_ids = stop_token_ids(target.model.generation_config, tokenizer)
-    end_of_turn = tokenizer.eos_token_id if tokenizer.eos_token_id in stop_ids else min(stop_ids, default=None)
-    for batch, replies in generate_batches(target, prompts, args.max_new_tokens, stop_ids, args.batch_tokens,
-                                           sampling):
-        # generate_batches cuts each reply before its stop token: one shorter than max_new_tokens
-        # stopped, and of several stop ids it is taken to have emitted the end of turn
-        yield batch, [(reply + [end_of_turn], "stop") if len(reply) < args.max_new_tokens else (reply, "length")
-                      for reply in replies]
+    yield from generate_batches(target, prompts, args.max_new_tokens, stop_ids, args.batch_tokens, sampling)
     if GraphReplays.captures:
         logger.info("CUDA graphs: %d captured, %.1f s in all (a batch's step is captured again whenever it "
                     "changes shape)", GraphReplays.captures, GraphReplays.capture_seconds)

@@ -15,7 +15,9 @@ class GraphReplays:
 
     `step` must read and write only tensors that live as long as this object (its inputs are
     preallocated buffers the caller fills before each call); what it returns is overwritten by
-    the next replay of the same key, so callers use or copy it before that."""
+    the next replay of any key, so callers use or copy it before that. The graphs share one
+    memory pool and warm up on one side stream: a batched step's activations (logits of every
+    row, masks over the cache) are held once, not once per captured shape."""
 
     # Every capture in this process, and the seconds they took (warm-up included): batched
     # regeneration captures again whenever a batch changes shape, and reports what that cost.
@@ -25,6 +27,8 @@ class GraphReplays:
     def __init__(self, device: torch.device, enabled: bool = True):
         self.enabled = enabled and device.type == "cuda"
         self._captured: dict[Hashable, tuple[torch.cuda.CUDAGraph, object]] = {}
+        self._pool = None
+        self._side = None
 
     def __call__(self, key: Hashable, step: Callable[[], object]):
         if not self.enabled:
@@ -38,17 +42,17 @@ class GraphReplays:
         graph.replay()
         return outputs
 
-    @staticmethod
-    def _capture(step: Callable[[], object]):
+    def _capture(self, step: Callable[[], object]):
         # Warm-up on a side stream (lazy inits and allocator pools settle before capture); a
         # step only rewrites its outputs from the current inputs, so running it again is harmless.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        if self._side is None:
+            self._pool, self._side = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+        self._side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._side):
             for _ in range(2):
                 step()
-        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.current_stream().wait_stream(self._side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, pool=self._pool):
             outputs = step()
         return graph, outputs

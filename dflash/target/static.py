@@ -2,10 +2,10 @@
 
 HF's DynamicCache grows by concatenation, so every step has new shapes and runs eagerly from
 Python. Here each layer's keys/values live in a buffer of fixed capacity: a forward of T new
-tokens writes them at cache columns start..start+T-1 and attends over the whole buffer under a
-mask (a column is visible when it is at or before the query's column, past the row's left
-padding and, on sliding layers, inside the window). Fixed shapes let a step be replayed as a
-CUDA graph. Nothing is ever cropped: a rejected draft's columns are masked for every later
+tokens writes them at cache columns start..start+T-1 of its row (rows may be at different
+columns) and attends over the used columns under a mask (a column is visible when it is at or
+before the query's column and, on sliding layers, inside the window). Fixed shapes let a step be
+replayed as a CUDA graph. Nothing is ever cropped: a rejected draft's columns are masked for every later
 query and rewritten before they become visible again. A step is bound by its kernel count, so
 q/k/v run as one matrix product and gate/up as another (`fused_rows`).
 
@@ -67,7 +67,13 @@ def round_up(value: int, multiple: int) -> int:
 
 
 class StaticTarget:
-    """A FrozenTarget's decoder run over a static KV cache of `batch` rows x `capacity` columns."""
+    """A FrozenTarget's decoder run over a static KV cache of `batch` rows x `capacity` columns.
+
+    Two ways to fill it: every row at the same columns (`prefill`, `step`: one sequence per row,
+    as speculative decoding runs it), or each row at its own columns (`extend_rows` for a prompt
+    entering some rows, `step_rows` for one new token in every row): batched regeneration, where
+    a row whose reply has ended takes the next prompt while the others go on. A row's sequence
+    always starts at its column 0, so column = position and nothing is padded."""
 
     def __init__(self, target: FrozenTarget, batch: int, capacity: int, cuda_graphs: bool = True,
                  sampling: Sampling | None = None):
@@ -86,7 +92,6 @@ class StaticTarget:
         shape = (len(target.layers), batch, config.num_key_value_heads, self.capacity, attention.head_dim)
         self.keys = torch.zeros(shape, device=device, dtype=dtype)
         self.values = torch.zeros(shape, device=device, dtype=dtype)
-        self.padding = torch.zeros(batch, dtype=torch.long, device=device)  # left padding per row
         window = getattr(config, "sliding_window", None) or 0
         # Mistral names no layer types: with a window set, every layer slides.
         layer_types = getattr(config, "layer_types", None) or ["sliding_attention"] * len(target.layers)
@@ -94,8 +99,8 @@ class StaticTarget:
         self.feature_layers = set(target.layer_ids)
         self.columns = torch.arange(self.capacity, device=device)
         self._start = torch.zeros((), dtype=torch.long, device=device)
-        self._offsets = torch.arange(self.capacity, device=device)
         self._inputs: dict[int, torch.Tensor] = {}
+        self._row_columns = torch.zeros(batch, dtype=torch.long, device=device)  # step_rows' input buffer
         self.graphs = GraphReplays(device, cuda_graphs)
         self.qkv = [fused_rows(layer.self_attn, "dflash_qkv", [layer.self_attn.q_proj, layer.self_attn.k_proj,
                                                                layer.self_attn.v_proj]) for layer in target.layers]
@@ -103,90 +108,118 @@ class StaticTarget:
                         for layer in target.layers]
 
     def keep_rows(self, rows: torch.Tensor) -> None:
-        """Decode only these rows (indices into the current batch, in this order) from now on,
-        moved to the front of the cache: batched regeneration drops rows whose reply has ended.
+        """Keep only these rows (indices into the current batch, in this order), moved to the
+        front of the cache: batched regeneration drops rows once no prompt is left for them.
         The batch shrinks, so the CUDA graphs are captured again at the next steps."""
         kept = len(rows)
         for layer in range(self.keys.shape[0]):  # one layer at a time: gathering all would double the cache
             self.keys[layer, :kept] = self.keys[layer, rows]
             self.values[layer, :kept] = self.values[layer, rows]
         self.keys, self.values = self.keys[:, :kept], self.values[:, :kept]
-        self.padding = self.padding[rows]
         self.batch = kept
+        self._row_columns = self._row_columns[:kept].clone()
         self._inputs.clear()
         self.graphs = GraphReplays(self.target.device, self.graphs.enabled)
 
-    def set_padding(self, padding: list[int]) -> None:
-        """Left padding of each row (batched generation); rows see nothing before it."""
-        self.padding.copy_(torch.tensor(padding, dtype=torch.long))
-
     def prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prompts [batch, P] (left-padded, see set_padding) at columns 0.., eagerly -> (the
-        target's choice after the last position [batch, 1], features [batch, P, K*D])."""
-        return self._forward(ids, self._at(0, ids), self._span(0, ids), last_only=True)
+        """Prompts [batch, P] at columns 0.. of every row, eagerly -> (the target's choice after
+        the last position [batch, 1], features [batch, P, K*D])."""
+        self._at(0, ids)
+        last = torch.full((ids.shape[0],), ids.shape[1] - 1, device=ids.device)
+        return self._forward(ids, self._shared_columns(ids.shape), None, last=last, features=True)
 
     def step(self, ids: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """New tokens [batch, T] at columns start.. -> (the target's choice after each [batch, T],
-        features [batch, T, K*D]). Replays one CUDA graph per T and span of used columns; the
-        outputs are overwritten by the next step with the same T and span."""
-        columns, span = self._at(start, ids), self._span(start, ids)
+        """New tokens [batch, T] at columns start.. of every row -> (the target's choice after
+        each [batch, T], features [batch, T, K*D]). Replays one CUDA graph per T and span of used
+        columns; the outputs are overwritten by the next replay."""
+        self._at(start, ids)
+        span = self._span(start + ids.shape[1])
         if not self.graphs.enabled:
-            return self._forward(ids, columns, span)
+            return self._forward(ids, self._shared_columns(ids.shape), span, features=True)
         buffer = self._inputs.setdefault(ids.shape[1], torch.zeros_like(ids))
         buffer.copy_(ids)
         return self.graphs((ids.shape[1], span), lambda: self._forward(
-            buffer, self._start + self._offsets[: buffer.shape[1]], span))
+            buffer, self._shared_columns(buffer.shape), span, features=True))
 
-    def _at(self, start: int, ids: torch.Tensor) -> torch.Tensor:
+    def extend_rows(self, ids: torch.Tensor, rows: torch.Tensor, start: int, last: torch.Tensor) -> torch.Tensor:
+        """Tokens [k, T] at columns start.. of the cache rows `rows` [k], eagerly (a prompt, or a
+        chunk of one, entering those rows; the other rows are untouched) -> the target's choice
+        [k, 1] after position `last` [k] of each row's T. At start 0 the tokens attend only to
+        each other: whatever the rows held before is never read."""
+        if start + ids.shape[1] > self.capacity:
+            raise ValueError(f"decoding past the cache: {start + ids.shape[1]} > {self.capacity} columns")
+        columns = (start + self.columns[: ids.shape[1]])[None].expand(ids.shape[0], -1)
+        span = None if start == 0 else self._span(start + ids.shape[1])
+        choice, _ = self._forward(ids, columns, span, rows=rows, last=last)
+        return choice
+
+    def step_rows(self, ids: torch.Tensor, columns: torch.Tensor, end: int) -> torch.Tensor:
+        """One new token per row, ids [batch, 1] each at its own column `columns` [batch] ->
+        the target's choice after it [batch, 1]. `end` bounds the columns in use (every
+        columns[i] < end), known to the caller without reading `columns` back. Replays one CUDA
+        graph per span; the output is overwritten by the next replay."""
+        if end > self.capacity:
+            raise ValueError(f"decoding past the cache: column {end - 1} >= {self.capacity} columns")
+        span = self._span(end)
+        buffer = self._inputs.setdefault(-1, torch.zeros_like(ids))
+        buffer.copy_(ids)
+        self._row_columns.copy_(columns)
+        return self.graphs(("rows", span), lambda: self._forward(buffer, self._row_columns[:, None], span)[0])
+
+    def _at(self, start: int, ids: torch.Tensor) -> None:
         if start + ids.shape[1] > self.capacity:
             raise ValueError(f"decoding past the cache: {start + ids.shape[1]} > {self.capacity} columns")
         self._start.fill_(start)
-        return self._start + torch.arange(ids.shape[1], device=ids.device)
 
-    def _span(self, start: int, ids: torch.Tensor) -> int:
-        return min(self.capacity, round_up(start + ids.shape[1], SPAN_STEP))
+    def _shared_columns(self, shape: torch.Size) -> torch.Tensor:
+        """Columns [b, T] of a forward at the same columns in every row, from start (a buffer)."""
+        return (self._start + self.columns[: shape[1]])[None].expand(shape[0], -1)
 
-    def _masks(self, columns: torch.Tensor, span: int, dtype: torch.dtype, repeat: int) -> list[torch.Tensor]:
-        """Each layer's additive attention mask [b, 1, repeat x T, span] (0: visible, -inf: not),
-        built once per forward: a column is visible at or before the query's column, past the
-        row's padding and, on a sliding layer, inside the window."""
-        keys = self.columns[None, None, :span]
-        query = columns[None, :, None]
-        visible = (keys <= query) & (keys >= self.padding[:, None, None])  # [b, T, span]
-        # A padding query sees itself: a row with nothing visible would give NaN, and a NaN value
-        # poisons every query that masks it out (0 x NaN).
-        visible |= keys == query
+    def _span(self, end: int) -> int:
+        return min(self.capacity, round_up(end, SPAN_STEP))
+
+    def _masks(self, queries: torch.Tensor, keys: torch.Tensor, dtype: torch.dtype, repeat: int) -> list[torch.Tensor]:
+        """Each layer's additive attention mask [b, 1, repeat x T, S] (0: visible, -inf: not) for
+        queries at columns [b, T] over keys at columns [b or 1, S], built once per forward: a key
+        is visible at or before the query's column and, on a sliding layer, inside the window.
+        Every query sees at least its own column."""
+        query, key = queries[:, :, None], keys[:, None, :]
+        visible = key <= query  # [b, T, S]
         masks = {}
         for window in set(self.windows):
-            sees = visible & (keys > query - window) if window else visible
+            sees = visible & (key > query - window) if window else visible
             additive = torch.zeros(sees.shape, dtype=dtype, device=sees.device).masked_fill_(~sees, float("-inf"))
             masks[window] = additive[:, None].repeat(1, 1, repeat, 1)
         return [masks[window] for window in self.windows]
 
-    def _forward(self, ids: torch.Tensor, columns: torch.Tensor, span: int, last_only: bool = False):
+    def _forward(self, ids: torch.Tensor, columns: torch.Tensor, span: int | None, rows: torch.Tensor | None = None,
+                 last: torch.Tensor | None = None, features: bool = False):
+        """Tokens ids [b, T] at cache columns [b, T] of the cache rows `rows` (None: all, in
+        order), attending over cache columns :span (None: only over themselves) -> (choice after
+        each position, or after position `last` [b] of each row; features [b, T, K*D] or None)."""
         target = self.target
         x = target.embed_tokens(ids)
-        positions = columns[None] - self.padding[:, None]  # [b, T], RoPE positions of each row
-        cos, sin = target.decoder.rotary_emb(x, positions)
+        cos, sin = target.decoder.rotary_emb(x, columns)  # a row's column is its position
         half = cos.shape[-1] // 2
         cos, sin = cos[:, None], torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)[:, None]
-        masks = self._masks(columns, span, x.dtype, target.model.config.num_attention_heads // self.keys.shape[2])
+        keys = columns if span is None else self.columns[None, :span]
+        masks = self._masks(columns, keys, x.dtype, target.model.config.num_attention_heads // self.keys.shape[2])
         captured = {}
         for index, layer in enumerate(target.layers):
             h = self._attention(index, layer.self_attn, rms_norm(layer.input_layernorm, x), cos, sin, columns,
-                                span, masks[index])
+                                span, rows, masks[index])
             x = x + h
             gate, up = F.linear(rms_norm(layer.post_attention_layernorm, x), *self.gate_up[index]).chunk(2, dim=-1)
             x = x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
-            if index in self.feature_layers:
+            if features and index in self.feature_layers:
                 captured[index] = x
-        if last_only:  # a prefill's logits for every position would be [b, P, vocab]
-            x = x[:, -1:]
+        if last is not None:  # a prefill's logits for every position would be [b, P, vocab]
+            x = x.gather(1, last.view(-1, 1, 1).expand(-1, 1, x.shape[-1]))
         logits = target.lm_head(rms_norm(target.decoder.norm, x))
         choice = logits.argmax(-1) if self.sampling is None else self.sampling.choose(logits)
-        return choice, torch.cat([captured[i] for i in target.layer_ids], dim=-1)
+        return choice, torch.cat([captured[i] for i in target.layer_ids], dim=-1) if features else None
 
-    def _attention(self, index, attention, x, cos, sin, columns, span, mask):
+    def _attention(self, index, attention, x, cos, sin, columns, span, rows, mask):
         b, t, _ = x.shape
         d = attention.head_dim
         hkv = self.keys.shape[2]
@@ -199,10 +232,23 @@ class StaticTarget:
             qk = qkv[:, :, :heads + hkv]
         qk = rotate(qk.transpose(1, 2), cos, sin)  # [b, Hq + Hkv, T, d]
         q, k = qk[:, :heads], qk[:, heads:]
-        self.keys[index].index_copy_(2, columns, k)
-        self.values[index].index_copy_(2, columns, qkv[:, :, heads + hkv:].transpose(1, 2))
-        keys, values = self.keys[index][:, :, :span], self.values[index][:, :, :span]
+        v = qkv[:, :, heads + hkv:].transpose(1, 2)
+        cache_keys, cache_values = self.keys[index], self.values[index]
+        if rows is None:  # every row, in place: one scatter each
+            at = columns[:, None, :, None].expand(b, hkv, t, d)
+            cache_keys.scatter_(2, at, k)
+            cache_values.scatter_(2, at, v)
+        else:
+            at = (rows[:, None, None], torch.arange(hkv, device=x.device)[None, :, None], columns[:, None, :])
+            cache_keys.index_put_(at, k)
+            cache_values.index_put_(at, v)
+        if span is None:  # a fresh prompt sees only itself
+            keys, values = k, v
+        elif rows is None:
+            keys, values = cache_keys[:, :, :span], cache_values[:, :, :span]
+        else:
+            keys, values = cache_keys[rows, :, :span], cache_values[rows, :, :span]
         # GQA without copying the cache: the query heads sharing a key/value head become rows of it
-        rows = q.reshape(b, hkv, heads // hkv * t, d)  # query head h = g * rep + r serves head g
-        out = attend(rows, keys, values, mask, attention.scaling)
+        rows_q = q.reshape(b, hkv, heads // hkv * t, d)  # query head h = g * rep + r serves head g
+        out = attend(rows_q, keys, values, mask, attention.scaling)
         return attention.o_proj(out.reshape(b, heads, t, d).transpose(1, 2).reshape(b, t, -1))

@@ -49,63 +49,116 @@ def test_projections_with_and_without_bias_are_refused_with_the_way_out():
         StaticTarget(target, batch=1, capacity=32, cuda_graphs=False)
 
 
-def test_batched_generation_sizes_each_cache_to_its_prompts_and_keeps_greedy_tokens(monkeypatch):
-    """Short prompts get more rows per batch than the longest one would allow; every reply
-    stays the target's greedy reply."""
-    import dflash.target.generate as generate
+def greedy_replies(target, prompts: dict[int, list[int]], max_new_tokens: int) -> dict[int, list[int]]:
+    """One prompt at a time, HF's forward."""
     from dflash.eval.speculative import greedy_decode
 
-    monkeypatch.setattr(generate, "CAPACITY_STEP", 16)
-    target = tiny_target("llama", dtype=torch.float32)
-    prompts = {0: list(range(3, 40)), 1: list(range(5, 41)), 2: [7, 8, 9], 3: [11, 2], 4: [4, 4, 4, 4], 5: [9]}
-    sizes = []
-    built = generate.StaticTarget
+    return {i: greedy_decode(target, prompt, max_new_tokens, set()).tokens for i, prompt in prompts.items()}
 
-    def recording(*args, **kwargs):
-        static = built(*args, **kwargs)
-        sizes.append((static.batch, static.capacity))
-        return static
 
-    monkeypatch.setattr(generate, "StaticTarget", recording)
+def ended(tokens: list[int], stop_ids: set[int]) -> tuple[list[int], str]:
+    """A reply as the engine gives it: up to and including its first stop token."""
+    stop = next((k for k, t in enumerate(tokens) if t in stop_ids), None)
+    return (tokens, "length") if stop is None else (tokens[:stop + 1], "stop")
+
+
+def batched_replies(target, prompts, max_new_tokens, stop_ids, **kwargs) -> dict:
+    from dflash.target.generate import generate_batches
+
     replies = {}
-    for indices, rows in generate.generate_batches(target, prompts, 8, set(), batch_tokens=100):
+    for indices, rows in generate_batches(target, prompts, max_new_tokens, stop_ids, **kwargs):
+        assert not set(indices) & set(replies), "each reply comes once"
         replies.update(zip(indices, rows))
-    assert sizes == [(2, 48), (4, 16)]  # 100 // (40 + 8 -> 48) rows, then 100 // (4 + 8 -> 16), capped by what is left
-    assert replies == {i: greedy_decode(target, p, 8, set()).tokens for i, p in prompts.items()}
+    return replies
+
+
+def test_caches_follow_the_prompt_lengths_a_smaller_one_once_it_holds_twice_the_rows(monkeypatch):
+    import dflash.target.generate as generate
+
+    monkeypatch.setattr(generate, "CAPACITY_STEP", 16)
+    rows_at = {64: 2, 48: 4, 32: 6, 16: 9}.__getitem__  # rows a cache of that many columns holds
+    # prompt + 8 new tokens + 16 (the steps before a check), rounded up to 16 columns
+    assert generate.phases([40, 38, 20, 17, 8, 5, 1], 8, rows_at) == [(64, 2), (48, 5)]
+    assert generate.phases([8, 1], 8, rows_at) == [(32, 2)]  # 6 rows, then 25 columns -> 32 again
+    assert generate.phases([], 8, rows_at) == []
+
+
+def test_prefill_chunks_hold_at_most_the_planned_tokens_and_rows():
+    from dflash.target.generate import prefill_chunks
+
+    assert prefill_chunks([40, 33, 20, 3, 1], max_tokens=96, max_rows=3) == [
+        (0, 2, [(0, 48)]), (2, 5, [(0, 32)])]  # 2 x 48 padded tokens, then 3 x 32
+    assert prefill_chunks([70, 5], max_tokens=32, max_rows=8) == [(0, 1, [(0, 32), (32, 64), (64, 80)]),
+                                                                 (1, 2, [(0, 16)])]
+
+
+def test_chunked_prefill_gives_the_one_shot_prefills_cache_and_tokens(arch):
+    """A prompt prefilled in column windows, into chosen rows, leaves the cache and the next
+    token a one-shot prefill of it alone gives (float32)."""
+    target = tiny_target(arch, dtype=torch.float32)
+    prompts = [list(range(3, 40)), [9, 4, 17, 2, 60, 5, 33, 8, 1, 70, 12, 6, 44, 3, 90, 7, 15, 2, 22, 31]]
+    width = 48
+    ids = torch.zeros(2, width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, :len(prompt)] = torch.tensor(prompt)
+    last = torch.tensor([len(p) - 1 for p in prompts])
+    rows = torch.tensor([2, 0])  # into rows 2 and 0 of a 3-row cache
+    chunked = StaticTarget(target, batch=3, capacity=64, cuda_graphs=False)
+    choice = None
+    for start in range(0, width, 16):
+        step = chunked.extend_rows(ids[:, start:start + 16], rows, start, (last - start).clamp(0, 15))
+        inside = ((last >= start) & (last < start + 16))[:, None]
+        choice = step if choice is None else torch.where(inside, step, choice)
+    for row, prompt in zip(rows.tolist(), prompts):
+        alone = StaticTarget(target, batch=1, capacity=64, cuda_graphs=False)
+        want, _ = alone.prefill(torch.tensor([prompt]))
+        assert choice[[2, 0].index(row)].tolist() == want[0].tolist()
+        for cache, reference in ((chunked.keys, alone.keys), (chunked.values, alone.values)):
+            torch.testing.assert_close(cache[:, row, :, :len(prompt)], reference[:, 0, :, :len(prompt)],
+                                       rtol=1e-5, atol=1e-5)
+    one_shot = StaticTarget(target, batch=3, capacity=64, cuda_graphs=False)
+    assert one_shot.extend_rows(ids, rows, 0, last).tolist() == choice.tolist()
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_batched_generation_drops_finished_rows_and_keeps_greedy_tokens(device, monkeypatch):
-    """Rows whose reply has ended leave the batch (their cache rows move out, the live ones to
-    the front, CUDA graphs captured again for the smaller batch); every reply stays the target's
-    greedy reply up to its first stop token."""
+def test_continuous_batching_refills_ended_rows_and_keeps_each_prompts_greedy_reply(device, monkeypatch):
+    """4 rows for 13 prompts: a row whose reply ended takes the next prompt while the others go
+    on (rows at different columns, prefilled in chunks of 16 tokens and 2 rows), the rows left
+    without a prompt leave the batch, and every reply is the prompt's own greedy reply, with the
+    stop token that ended it ("stop") or cut at max_new_tokens ("length")."""
     import dflash.target.generate as generate
-    from dflash.eval.speculative import greedy_decode
+    import dflash.target.memory as memory
 
-    monkeypatch.setattr(generate, "STOP_CHECK_EVERY", 2)
+    monkeypatch.setattr(generate, "CAPACITY_STEP", 16)
     monkeypatch.setattr(generate, "ROW_STEP", 1)
+    monkeypatch.setattr(memory, "PREFILL_TOKENS_MAX", 16)
+    monkeypatch.setattr(memory, "PREFILL_ROWS_MAX", 2)
     target = tiny_target("llama", dtype=torch.float32)
     target.model.to(device)
-    prompts = {i: [3 + i, 7, 11 + 2 * i, 5 + i][: 2 + i % 3] for i in range(7)}  # 2-4 tokens: left padding differs
-    free = {i: greedy_decode(target, p, 24, set()).tokens for i, p in prompts.items()}
+    prompts = {i: [3 + i, 7, 11 + 2 * i, 5 + i, 9, 1, 2, 8, 4, 6, 10, 12, 13, 14, 15, 16, 17, 18][: 2 + (5 * i) % 17]
+               for i in range(13)}
+    free = greedy_replies(target, prompts, 30)
     stop_ids = {free[0][3], free[4][9]}
-    expected = {i: tokens[: next((k for k, t in enumerate(tokens) if t in stop_ids), len(tokens))]
-                for i, tokens in free.items()}
-    lengths = sorted(map(len, expected.values()))
-    assert lengths[0] <= 3 < lengths[-1], "the stop tokens must end some replies early and not others"
-    kept = []
-    keep_rows = StaticTarget.keep_rows
+    expected = {i: ended(tokens, stop_ids) for i, tokens in free.items()}
+    reasons = [finish for _, finish in expected.values()]
+    assert 3 < reasons.count("stop") < 13, "the stop tokens must end some replies early and not others"
+    fills, kept = [], []
+    fill, keep_rows = generate.ContinuousBatch.fill, StaticTarget.keep_rows
 
-    def recording(self, rows):
+    def recording_fill(self, slots, indices, prompts):
+        fills.append((len(slots), int(self.host_live.sum())))
+        fill(self, slots, indices, prompts)
+
+    def recording_keep(self, rows):
         kept.append(len(rows))
         keep_rows(self, rows)
 
-    monkeypatch.setattr(StaticTarget, "keep_rows", recording)
-    replies = {}
-    for indices, rows in generate.generate_batches(target, prompts, 24, stop_ids, batch_tokens=10_000):
-        replies.update(zip(indices, rows))
-    assert replies == expected
-    assert kept and kept == sorted(kept, reverse=True) and kept[-1] < len(prompts)
+    monkeypatch.setattr(generate.ContinuousBatch, "fill", recording_fill)
+    monkeypatch.setattr(StaticTarget, "keep_rows", recording_keep)
+    assert batched_replies(target, prompts, 30, stop_ids, batch_tokens=4 * 64) == expected
+    assert fills[0] == (4, 0) and sum(n for n, _ in fills) == 13
+    assert any(0 < n and live > 0 for n, live in fills[1:]), "a row was refilled while others were decoding"
+    assert kept and kept == sorted(kept, reverse=True) and kept[-1] < 4
 
 
 def test_decode_attention_alternatives_compute_what_the_static_target_calls():
@@ -120,12 +173,15 @@ def test_decode_attention_alternatives_compute_what_the_static_target_calls():
 
 
 
-def test_the_regeneration_step_benchmark_times_and_profiles_a_step():
-    from dflash.benchmarks.regen_step import parse_shapes, time_steps
+def test_the_regeneration_benchmark_times_a_step_and_the_whole_engine():
+    from dflash.benchmarks.regen_step import parse_shapes, time_engine, time_steps
 
-    result = time_steps(tiny_target("llama", dtype=torch.float32), 3, 40, 20, steps=2, profile=True)
+    target = tiny_target("llama", dtype=torch.float32)
+    result = time_steps(target, 3, 40, 20, steps=2, profile=True)
     assert result["capacity"] == 48 and result["ms_per_step"] > 0 and result["row_steps_per_second"] > 0
     assert "aten::scaled_dot_product_attention" in result["profile"]
     assert parse_shapes("4x64x32,2x512x500") == [(4, 64, 32), (2, 512, 500)]
     with pytest.raises(SystemExit, match="prompt \\+ 8 <= capacity"):
         parse_shapes("4x64x60")
+    engine = time_engine(target, {0: [5, 6, 7], 1: [8, 9]}, 6, set(), batch_tokens=0)
+    assert engine["new_tokens"] == 12 and engine["stopped"] == 0 and engine["new_tokens_per_second"] > 0
