@@ -92,7 +92,8 @@ class DFlashAttention(nn.Module):
         return x.view(b, t, n, self.head_dim).transpose(1, 2)  # [b, n, t, d]
 
     def key_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Keys (normed, rotated) and values [b, Hkv, T, d] of x [b, T, D]."""
+        """Keys (normed, rotated) and values [b, Hkv, T, d] of x [b, T, D]; cos and sin as
+        RotaryAngles gives them (sin with rotate_half's signs folded in)."""
         k = rotate(self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)), cos, sin)
         v = self._heads(self.v_proj(x), self.num_kv_heads)
         return k, v
