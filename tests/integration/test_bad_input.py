@@ -330,5 +330,5 @@ def test_running_out_of_gpu_memory_names_the_flags_that_size_a_step(tiny_setup, 
                      "a step's size is set by --max-tokens 256 (padded tokens per micro-batch), --max-draft-positions "
                      "set by the memory model and --max-anchors 8, "
                      "with --kl-weight 1.0 (the target's final hidden states travel too): lower them; no checkpoint "
-                     "was saved (pass --save-every N to keep one every N steps): start again with the same command "
-                     "plus --overwrite"]
+                     "was saved (one is kept every --save-every-minutes M, or --save-every N steps): start again "
+                     "with the same command plus --overwrite"]
