@@ -136,7 +136,9 @@ class StaticTarget:
         span = self._span(start + ids.shape[1])
         if not self.graphs.enabled:
             return self._forward(ids, self._shared_columns(ids.shape), span, features=True)
-        buffer = self._inputs.setdefault(ids.shape[1], torch.zeros_like(ids))
+        if ids.shape[1] not in self._inputs:  # made once: a replay queues nothing else but its input's copy
+            self._inputs[ids.shape[1]] = torch.zeros_like(ids)
+        buffer = self._inputs[ids.shape[1]]
         buffer.copy_(ids)
         return self.graphs((ids.shape[1], span), lambda: self._forward(
             buffer, self._shared_columns(buffer.shape), span, features=True))
