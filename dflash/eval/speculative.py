@@ -84,15 +84,20 @@ class PlainTargetSession:
 
 
 class DraftSession:
-    """The drafter's side: its context cache, and the two steps of a cycle (propose a block,
-    take the verified block's features), each replayed as a CUDA graph when `graphed`."""
+    """The drafter's side: its context cache, and its two steps, each replayed as a CUDA graph
+    when `graphed`: `start` proposes a prompt's first block; `advance` takes a verified block's
+    target features and choices, works out on the device which drafts were accepted, and proposes
+    the next block from there, so that it is queued before the host has read the acceptance."""
 
     def __init__(self, target: FrozenTarget, drafter: DFlashDrafter, capacity: int, graphed: bool,
                  compiled: bool = True):
         device, dtype = target.device, target.embed_tokens.weight.dtype
         self.target, self.drafter = target, drafter
-        # aligned mask rows let SDPA take its fused kernels (as in the target's StaticTarget)
-        self.cache = DrafterCache.allocate(drafter.config, 1, round_up(capacity, 16), device, dtype)
+        block = drafter.block_size
+        # A block proposed after the last verify reaches up to B columns past the decoder's
+        # capacity (it is queued before the host knows decoding ends). Aligned mask rows let SDPA
+        # take its fused kernels (as in the target's StaticTarget).
+        self.cache = DrafterCache.allocate(drafter.config, 1, round_up(capacity + block, 16), device, dtype)
         self.graphs = GraphReplays(device, graphed)
         # Where the steps replay as CUDA graphs they are compiled first: at batch 1 a step is bound
         # by its kernel count, and Inductor fuses each layer's norms, RoPE, mask and elementwise
@@ -103,36 +108,84 @@ class DraftSession:
         if compiled:
             allow_compiled_variants()
         compile_step = (lambda step: torch.compile(step, dynamic=False)) if compiled else (lambda step: step)
-        self._propose_step, self._extend_step = compile_step(self._propose), compile_step(self._extend_block)
-        block = drafter.block_size
+        self._start_step, self._advance_step = compile_step(self._propose), compile_step(self._advance)
         self._block_ids = torch.full((1, block), drafter.mask_token_id, device=device)
         self._offsets = torch.arange(block, device=device)[None]
-        self._anchor = torch.zeros((), dtype=torch.long, device=device)
+        self._anchor = torch.zeros((), dtype=torch.long, device=device)  # of the block to propose
+        self.proposal = torch.zeros((1, block), dtype=torch.long, device=device)  # [anchor token, B-1 drafts]
+        # what `advance` reads: the verified block's anchor, drafts and choices, and features
+        self._verified_at = torch.zeros((), dtype=torch.long, device=device)
+        self._outcome = torch.zeros(2 * block - 1, dtype=torch.long, device=device)
         self._features = torch.zeros(1, block, target.hidden_size * len(target.layer_ids), device=device,
                                      dtype=dtype)
 
     def extend(self, features: torch.Tensor, start: int) -> None:
-        """Features [1, T, K*D] of positions start..start+T-1 into the drafter's context."""
-        self._anchor.fill_(start)
-        if features.shape[1] != self._features.shape[1] or not self.graphs.enabled:
-            positions = torch.arange(start, start + features.shape[1], device=features.device)[None]
-            self.drafter.extend_context(self.cache, features, positions)
-            return
-        self._features.copy_(features)
-        self.graphs("extend", self._extend_step)
+        """Features [1, T, K*D] of positions start..start+T-1 (a prompt's) into the drafter's context."""
+        positions = torch.arange(start, start + features.shape[1], device=features.device)[None]
+        self.drafter.extend_context(self.cache, features, positions)
 
-    def _extend_block(self) -> None:
-        self.drafter.extend_context(self.cache, self._features, self._anchor + self._offsets)
-
-    def propose(self, last_token: int, anchor: int) -> torch.Tensor:
-        """The drafter's B-1 greedy guesses for positions anchor+1.. in ONE forward."""
-        self._block_ids[0, 0] = last_token
+    def start(self, token: torch.Tensor, anchor: int) -> torch.Tensor:
+        """The block anchored at `anchor` on `token` [1] (a device tensor): `proposal` [1, B],
+        the token and the drafter's B-1 greedy guesses for positions anchor+1.., in ONE forward."""
+        self._block_ids[0, :1] = token
         self._anchor.fill_(anchor)
-        return self.graphs("propose", self._propose_step)
+        self.graphs("start", self._start_step)
+        return self.proposal
 
-    def _propose(self) -> torch.Tensor:
+    def advance(self, outcome: torch.Tensor, features: torch.Tensor, anchor: int) -> torch.Tensor:
+        """After the target verified `proposal` at `anchor`, given `outcome` [2B-1] (the block's
+        B-1 drafts, then the target's choice after each of its B tokens) and their features
+        [1, B, K*D]: the next `proposal`, anchored at the target's choice after the accepted
+        drafts. All on the device: the host reads the acceptance meanwhile."""
+        self._outcome.copy_(outcome)
+        self._features.copy_(features)
+        self._verified_at.fill_(anchor)
+        self.graphs("advance", self._advance_step)
+        return self.proposal
+
+    def _advance(self) -> None:
+        # Reads only what `advance` filled in, so that running it twice writes the same (a CUDA
+        # graph's capture runs it three times). Every verified position joins the context; those
+        # past the accepted ones stay out of the view of every later draft and are rewritten
+        # before they come into it.
+        block = self.drafter.block_size
+        self.drafter.extend_context(self.cache, self._features, self._verified_at + self._offsets)
+        drafts, choices = self._outcome[: block - 1], self._outcome[block - 1:]
+        accepted = (drafts == choices[:-1]).long().cumprod(0).sum()
+        self._block_ids[0, :1] = choices.index_select(0, accepted[None])  # the bonus token
+        self._anchor.copy_(self._verified_at + accepted + 1)
+        self._propose()
+
+    def _propose(self) -> None:
+        self.proposal[0, :1] = self._block_ids[0, :1]
+        self.proposal[0, 1:] = self._guess()
+
+    def _guess(self) -> torch.Tensor:
+        """The drafter's B-1 greedy guesses [B-1] for the block in `_block_ids` at `_anchor`."""
         hidden = self.drafter.draft(self.cache, self.target.embed_tokens(self._block_ids), self._anchor + self._offsets)
         return self.target.lm_head(hidden[0, 1:]).argmax(-1)
+
+
+class HostCopy:
+    """A device tensor's values on the host without waiting for the work queued after it: copied
+    into pinned memory in queue order, and waited for only when read."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._done = torch.cuda.Event() if self.cuda else None
+        self._host: torch.Tensor | None = None
+
+    def start(self, values: torch.Tensor) -> None:
+        if self._host is None or self._host.shape != values.shape or self._host.dtype != values.dtype:
+            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=self.cuda)
+        self._host.copy_(values, non_blocking=True)
+        if self.cuda:
+            self._done.record()
+
+    def read(self) -> list:
+        if self.cuda:
+            self._done.synchronize()
+        return self._host.tolist()
 
 
 def resolve_decoder(name: str, target: FrozenTarget) -> str:
@@ -156,6 +209,7 @@ class Decoder:
         self.session = StaticTarget(target, 1, capacity) if fast else PlainTargetSession(target)
         self.draft = DraftSession(target, drafter, capacity, graphed=fast, compiled=compile_drafter) \
             if drafter is not None else None
+        self.acceptance = HostCopy(target.device)
 
     def _prefill(self, prompt: list[int], room: int) -> tuple[torch.Tensor, torch.Tensor]:
         if len(prompt) + room > self.capacity:
@@ -195,28 +249,29 @@ class Decoder:
         start = time.perf_counter()
         choice, features = self._prefill(prompt, max_new_tokens + block)
         draft.extend(features, 0)
+        proposal = draft.start(choice[0, -1:], len(prompt))
         tokens = [int(choice[0, -1])]
+        prefilled = time.perf_counter()
         accepted: list[int] = []
-        # the anchor token is filled in on the GPU: a copy from host memory would wait for the queue
-        last = torch.zeros(1, dtype=torch.long, device=device)
         while len(tokens) < max_new_tokens and not eos_ids.intersection(tokens):
             anchor = len(prompt) + len(tokens) - 1
-            guess = draft.propose(tokens[-1], anchor)
-            last.fill_(tokens[-1])
-            verify_ids = torch.cat([last, guess])[None]
-            choice, features = self.session.step(verify_ids, anchor)
-            # choice[i]: the target's token for position anchor+i+1; one host sync per cycle
-            both = torch.cat([guess, choice[0]]).tolist()
+            choice, features = self.session.step(proposal, anchor)
+            # choice[i]: the target's token for position anchor+i+1. The host reads it while the
+            # drafter proposes the next block on the device: the one host sync of a cycle
+            outcome = torch.cat([proposal[0, 1:], choice[0]])
+            self.acceptance.start(outcome)
+            proposal = draft.advance(outcome, features, anchor)
+            both = self.acceptance.read()
             proposed, verified = both[: block - 1], both[block - 1:]
             k = next((i for i, (d, c) in enumerate(zip(proposed, verified)) if d != c), block - 1)
             tokens.extend(proposed[:k] + [verified[k]])
             accepted.append(k)
-            draft.extend(features, anchor)  # positions past anchor+k stay out of every later draft's view
         synchronize(device)
         kept = _finish(tokens, max_new_tokens, eos_ids)
         if accepted:  # only the last cycle can run past the end: the loop stops after it
             accepted[-1] -= len(tokens) - len(kept)
-        return DecodeResult(tokens=kept, seconds=time.perf_counter() - start, accepted=accepted)
+        return DecodeResult(tokens=kept, seconds=time.perf_counter() - start, accepted=accepted,
+                            prefill_seconds=prefilled - start)
 
 
 def greedy_decode(target: FrozenTarget, prompt: list[int], max_new_tokens: int, eos_ids: set[int],

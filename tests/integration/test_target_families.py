@@ -56,16 +56,17 @@ def test_speculative_decoding_equals_greedy(family, monkeypatch):
     assert greedy.tokens == reference
     block = 4
     drafter = tiny_drafter(target, block_size=block)
-    full = PROMPT + greedy.tokens + [0] * block
+    full = PROMPT + greedy.tokens + [0] * 2 * block
     rng = random.Random(1)
 
-    def oracle(session, last_token, anchor):  # right, then wrong at a random slot
+    def oracle(session):  # right, then wrong at a random slot
+        anchor = int(session._anchor)
         guess = list(full[anchor + 1: anchor + block])
         if rng.random() < 0.7:
             guess[rng.randrange(block - 1)] = (guess[0] + 1) % 90
         return torch.tensor(guess)
 
-    monkeypatch.setattr(speculative.DraftSession, "propose", oracle)
+    monkeypatch.setattr(speculative.DraftSession, "_guess", oracle)
     kinds = ["plain", "fast"] if fast_decoding_supported(target) else ["plain"]
     for kind in kinds:
         spec = speculative.speculative_decode(target, drafter, PROMPT, NEW_TOKENS, eos_ids=set(), kind=kind)

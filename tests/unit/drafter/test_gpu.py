@@ -158,8 +158,6 @@ def test_compiled_target_features_match_eager(dtype, tol):
 def test_fast_decoding_with_cuda_graphs_gives_the_plain_paths_tokens(arch, monkeypatch):
     """The static-cache path replays CUDA graphs only on a GPU: greedy and speculative decoding
     (through rejected drafts of every length) and batched generation must give HF's tokens."""
-    import random
-
     import dflash.eval.speculative as speculative
     from conftest import tiny_drafter, tiny_target
     from dflash.target.generate import generate_batches
@@ -181,25 +179,26 @@ def test_fast_decoding_with_cuda_graphs_gives_the_plain_paths_tokens(arch, monke
         replies.update(zip(indices, rows))
     assert [replies[i] for i in range(len(prompts))] == [(tokens, "length") for tokens in plain]
     assert GraphReplays.captures > captures and GraphReplays.capture_seconds > 0  # what regeneration reports
-    reference = prompts[1] + plain[1] + [0] * 4
-    rng = random.Random(0)
+    reference = torch.tensor(prompts[1] + plain[1] + [0] * 8, device="cuda")
 
-    def oracle(session, last_token, anchor):  # right, then wrong at a random slot
-        guess = list(reference[anchor + 1: anchor + 4])
-        if rng.random() < 0.6:
-            guess[rng.randrange(3)] = (guess[0] + 1) % 90
-        return torch.tensor(guess, device="cuda")
+    def oracle(session):  # right, then wrong at a random slot; on the device, as it is captured
+        guess = reference[session._anchor + session._offsets[0, 1:]]
+        spoiled = (torch.rand((), device="cuda") < 0.6) & (torch.arange(3, device="cuda")
+                                                             == torch.randint(0, 3, (), device="cuda"))
+        return torch.where(spoiled, (guess + 1) % 90, guess)
 
-    monkeypatch.setattr(speculative.DraftSession, "propose", oracle)
-    spec = decoder.speculative(prompts[1], 40, set())
+    monkeypatch.setattr(speculative.DraftSession, "_guess", oracle)
+    torch.manual_seed(0)
+    spec = speculative.Decoder(target, drafter, 64, "fast", compile_drafter=False).speculative(prompts[1], 40, set())
     assert spec.tokens == plain[1]
-    assert min(spec.accepted) < 3 == max(spec.accepted)
+    assert min(spec.accepted) < 3 == max(spec.accepted), "the proposals follow the acceptance worked out on the device"
 
 
 @pytest.mark.parametrize("window", [0, 6], ids=["full", "window6"])
 def test_compiled_drafter_steps_write_and_propose_what_the_eager_ones_do(window):
     """On the fast path the drafter's two steps are compiled, then captured as CUDA graphs: the
-    context they write and the tokens they propose must be the eager steps' (float32)."""
+    context they write, the acceptance they work out and the tokens they propose must be the
+    eager steps' (float32), for verified blocks that accept none, some and all of the drafts."""
     from conftest import tiny_drafter, tiny_target
     from dflash.eval.speculative import DraftSession
 
@@ -208,19 +207,25 @@ def test_compiled_drafter_steps_write_and_propose_what_the_eager_ones_do(window)
     drafter = tiny_drafter(target, block_size=4, window=window).cuda().eval()
     compiled = DraftSession(target, drafter, 64, graphed=True, compiled=True)
     eager = DraftSession(target, drafter, 64, graphed=False, compiled=False)
-    assert hasattr(compiled._propose_step, "_torchdynamo_orig_callable"), "the graphed steps are not compiled"
+    assert hasattr(compiled._advance_step, "_torchdynamo_orig_callable"), "the graphed steps are not compiled"
     torch.manual_seed(0)
-    features = torch.randn(1, 24, target.hidden_size * len(target.layer_ids), device="cuda")
+    features = torch.randn(1, 40, target.hidden_size * len(target.layer_ids), device="cuda")
     proposals = {}
     for name, session in (("compiled", compiled), ("eager", eager)):
         session.extend(features[:, :12], 0)  # a prompt's features: eager on both
-        proposals[name] = [session.propose(7, 12).tolist()]
-        for anchor in (12, 14, 17):  # verified blocks: the compiled, graphed step on one side
-            session.extend(features[:, anchor:anchor + 4], anchor)
-            proposals[name].append(session.propose(int(features[0, anchor, 0] > 0) + 3, anchor + 2).tolist())
+        proposals[name] = [session.start(torch.tensor([7], device="cuda"), 12).tolist()]
+        anchor = 12
+        for accepted in (0, 2, 3, 1):  # verified blocks: the compiled, graphed step on one side
+            proposal = session.proposal[0]
+            choice = torch.cat([proposal[1:1 + accepted], (proposal[1 + accepted:] + 1) % 90,
+                                torch.tensor([5 + accepted], device="cuda")])[None]
+            session.advance(torch.cat([proposal[1:], choice[0]]), features[:, anchor:anchor + 4], anchor)
+            anchor += accepted + 1
+            proposals[name].append(session.proposal.tolist())
+            assert int(session._anchor) == anchor and proposals[name][-1][0][0] == int(choice[0, accepted])
     torch.testing.assert_close(compiled.cache.keys, eager.cache.keys, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(compiled.cache.values, eager.cache.values, rtol=1e-4, atol=1e-5)
-    assert compiled.cache.keys[:, :, :, 12:21].abs().sum() > 0
+    assert compiled.cache.keys[:, :, :, 12:26].abs().sum() > 0
     assert proposals["compiled"] == proposals["eager"]
 
 

@@ -51,17 +51,18 @@ def test_every_acceptance_length_stays_lossless(arch, kind, monkeypatch):
     block = 6
     drafter = tiny_drafter(target, block_size=block)
     prompt = PROMPTS[1]
-    reference = prompt + speculative.greedy_decode(target, prompt, NEW_TOKENS + block, eos_ids=set()).tokens
+    reference = prompt + speculative.greedy_decode(target, prompt, NEW_TOKENS + 2 * block, eos_ids=set()).tokens
     rng = random.Random(0)
 
-    def oracle(session, last_token, anchor):
-        assert last_token == reference[anchor]
+    def oracle(session):
+        anchor = int(session._anchor)
+        assert int(session._block_ids[0, 0]) == reference[anchor], "the device's acceptance must be the host's"
         guess = list(reference[anchor + 1: anchor + block])
         if rng.random() < 0.6:
             guess[rng.randrange(block - 1)] = MASK_ID - 1
         return torch.tensor(guess)
 
-    monkeypatch.setattr(speculative.DraftSession, "propose", oracle)
+    monkeypatch.setattr(speculative.DraftSession, "_guess", oracle)
     spec = speculative.speculative_decode(target, drafter, prompt, NEW_TOKENS, eos_ids=set(), kind=kind)
     assert spec.tokens == reference[len(prompt):len(prompt) + NEW_TOKENS]
     assert max(spec.accepted) == block - 1 and min(spec.accepted) < block - 1
@@ -119,6 +120,60 @@ def test_greedy_reads_the_device_once_per_check_not_per_token(monkeypatch):
         reply = decoder.greedy(PROMPTS[0], 30, {MASK_ID})
     assert len(reply.tokens) == 30
     assert len(reads) <= 30 // 4 + 1, reads  # one per check, one for the reply
+
+
+def test_each_replayed_step_writes_the_same_when_run_again(monkeypatch):
+    """A CUDA graph's capture runs its step three times (two warm-ups, then the capture), so
+    every step the decoder replays must write the same each time it runs. Here the target's and
+    the drafter's steps each run twice, through every acceptance length: the device must still
+    work out the host's acceptance (anchor and bonus token) and the output stay greedy's."""
+    from dflash.target.graphs import GraphReplays
+
+    target = tiny_target("qwen3")
+    block, prompt = 6, PROMPTS[1]
+    reference = prompt + speculative.greedy_decode(target, prompt, NEW_TOKENS + 2 * block, eos_ids=set()).tokens
+
+    def oracle(session):  # right, but wrong at a slot that depends on the anchor alone
+        anchor = int(session._anchor)
+        assert int(session._block_ids[0, 0]) == reference[anchor], "the device's acceptance must be the host's"
+        guess = list(reference[anchor + 1: anchor + block])
+        if anchor % 3:
+            guess[anchor % (block - 1)] = MASK_ID - 1
+        return torch.tensor(guess)
+
+    def twice(self, key, step):
+        step()
+        return step()
+
+    monkeypatch.setattr(speculative.DraftSession, "_guess", oracle)
+    monkeypatch.setattr(GraphReplays, "__call__", twice)
+    decoder = speculative.Decoder(target, tiny_drafter(target, block_size=block), 64, "fast")
+    decoder.session.graphs.enabled = True  # the target's steps too go through GraphReplays
+    spec = decoder.speculative(prompt, NEW_TOKENS, set())
+    assert spec.tokens == reference[len(prompt):len(prompt) + NEW_TOKENS]
+    assert len(set(spec.accepted)) > 2
+    assert decoder.greedy(prompt, NEW_TOKENS, set()).tokens == spec.tokens
+
+
+def test_every_draft_accepted_up_to_the_capacity_stays_inside_the_drafters_cache(monkeypatch):
+    """The next block is proposed on the device before the host reads that decoding has ended: after
+    the last verify, with every draft accepted, it reaches B - 3 columns past the decoder's
+    capacity (here 64 = 11 prompt + 47 new + B, B = 6)."""
+    target = tiny_target("llama")
+    block, new_tokens, prompt = 6, 47, PROMPTS[1]
+    reference = prompt + speculative.greedy_decode(target, prompt, new_tokens + 2 * block, eos_ids=set()).tokens
+    anchors = []
+
+    def oracle(session):  # always right
+        anchors.append(int(session._anchor))
+        return torch.tensor(reference[anchors[-1] + 1: anchors[-1] + block])
+
+    monkeypatch.setattr(speculative.DraftSession, "_guess", oracle)
+    decoder = speculative.Decoder(target, tiny_drafter(target, block_size=block), len(prompt) + new_tokens + block,
+                                  "fast")
+    spec = decoder.speculative(prompt, new_tokens, set())
+    assert spec.tokens == reference[len(prompt):len(prompt) + new_tokens]
+    assert set(spec.accepted) == {block - 1} and max(anchors) + block > decoder.capacity
 
 
 def test_stops_at_eos():
@@ -189,7 +244,7 @@ def test_the_decode_benchmark_times_each_part_of_a_cycle_and_leaves_the_decoder_
     decoder = speculative.Decoder(target, tiny_drafter(target, block_size=4).eval(), 64, "fast")
     prompt = [5, 17, 3, 44, 9]
     parts = cycle_parts(decoder, prompt, 4, repeats=3)
-    assert set(parts) == {"propose_ms", "verify_ms", "extend_ms", "greedy_step_ms"}
+    assert set(parts) == {"propose_ms", "verify_ms", "advance_ms", "greedy_step_ms"}
     assert min(parts.values()) > 0
     expected = speculative.greedy_decode(target, prompt, 12, set()).tokens
     assert decoder.speculative(prompt, 12, set()).tokens == expected
