@@ -250,6 +250,26 @@ def test_the_decode_benchmark_times_each_part_of_a_cycle_and_leaves_the_decoder_
     assert decoder.speculative(prompt, 12, set()).tokens == expected
 
 
+def test_the_decode_benchmark_divides_every_ratio_by_the_greedy_loops_step(tiny_setup, tmp_path):
+    """One greedy step for every ratio, named in the report: the fast greedy loop's time after
+    the prefill, per token (not a step replayed alone, nor a loop timed with its prefills)."""
+    import json
+
+    from dflash.benchmarks.decode import main
+
+    out = tmp_path / "decode.json"
+    assert main(["--target", str(tiny_setup["target"]), "--prompts", str(tiny_setup["heldout"]), "--device", "cpu",
+                 "--dtype", "float32", "--num-prompts", "2", "--plain-prompts", "1", "--max-new-tokens", "8",
+                 "--block-size", "4", "--draft-layers", "1", "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    greedy, spec = report["fast_greedy"], report["fast_speculative"]
+    assert report["greedy_step"].startswith("fast_greedy.ms_per_token")
+    assert report["greedy_step_ms"] == greedy["ms_per_token"]
+    assert report["cycle_in_greedy_steps"] == round(spec["ms_per_cycle"] / greedy["ms_per_token"], 2)
+    per_token = (greedy["seconds"] * 1000 - greedy["prefill_ms"] * greedy["prompts"]) / (greedy["tokens"] - 2)
+    assert greedy["ms_per_token"] == pytest.approx(per_token, rel=0.02, abs=0.01)
+
+
 def test_target_confidence_scores_every_greedy_reply_token():
     """dflash.benchmarks.target_confidence: one entry per reply token, and the shares grow with
     the threshold."""
