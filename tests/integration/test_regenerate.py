@@ -86,7 +86,7 @@ def test_the_fast_engine_samples_with_the_targets_settings(tmp_path, capfd):
 
 def test_an_interrupted_run_resumes_and_the_output_trains(tmp_path, capfd):
     partial = tmp_path / "regen.jsonl.partial"
-    kept = [{"token_ids": [i, 2], "finish_reason": "stop", "thinking": "off"} for i in range(10)]
+    kept = [{"token_ids": [i, 2], "finish_reason": "stop", "thinking": "none"} for i in range(10)]
     partial.write_text("".join(json.dumps({"index": i, "reply": f"kept {i}", "target_reply": kept[i]}) + "\n"
                                for i in range(10))
                        + json.dumps({"index": 10, "reply": "no token ids: an older format"}) + "\n"
