@@ -23,6 +23,7 @@ from dflash.config import RunConfig, earlier_run_files
 from dflash.data.dataset import TokenDataset
 from dflash.data.thinking import resolve_thinking
 from dflash.data.tokenization import load_tokenizer
+from dflash.data.tokenizer_match import check_tokenizer_matches_target
 from dflash.drafter.export import export_drafter
 from dflash.drafter.flops import cost_shapes
 from dflash.drafter.model import drafter_config
@@ -160,8 +161,10 @@ def train(config: RunConfig, ranks: RankInfo) -> TrainResult:
     serve features (target ranks) or train (drafter ranks)."""
     device = ranks.device
     dtype = train_dtype(config, device)
-    settle_target(config, ranks)
     tokenizer = load_tokenizer(config.model.tokenizer)
+    check_tokenizer_matches_target(tokenizer, config.model.target, config.model.tokenizer,
+                                   config.model.allow_tokenizer_mismatch, warn=ranks.is_main)
+    settle_target(config, ranks)
     thinking = resolve_thinking(tokenizer, config.data.thinking)
     dcfg = build_drafter_config(config, tokenizer, thinking)
     clear_earlier_run(config, ranks)
