@@ -12,7 +12,7 @@ import os
 import socket
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import NoReturn
 
@@ -31,6 +31,7 @@ class RankInfo:
     world_size: int
     local_rank: int
     device: torch.device
+    processes: dict[int, tuple[str, int]] = field(default_factory=dict)  # rank -> (host, pid): who is gone
 
     @property
     def is_main(self) -> bool:
@@ -66,7 +67,9 @@ def init_distributed(requested_device: str, timeout_minutes: float = 10.0) -> Ra
         dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes),
                                 device_id=device if device.type == "cuda" else None)
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=timeout_minutes))
-    info = RankInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
+    processes: list[tuple[str, int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(processes, (socket.gethostname(), os.getpid()))
+    info = RankInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, dict(enumerate(processes)))
     setup_logging(info.rank)
     return info
 
