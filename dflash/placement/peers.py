@@ -1,6 +1,6 @@
 """Which peer rank this rank lost, and how. Three sources, the surest first:
   a TransportError     names the peer at the other end of the pair (and whether it went silent);
-  the peers' processes on this host (each rank's host and pid, gathered at start-up): gone, or
+  the peers' processes on this host (each rank's pid, gathered at start-up): gone, or
                        stopped (SIGSTOP, a debugger);
   a failed collective  gloo and NCCL name an address at most, so only the two above can tell
                        which rank; with one peer in all, it is that one.
@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 
 import torch.distributed as dist
 
-from dflash.placement.distributed import RankInfo
+from dflash.placement.distributed import RankInfo, pid_space
 from dflash.placement.transport import TransportError
 
 # What gloo and NCCL say when the other end of a connection is gone or silent.
@@ -47,11 +46,11 @@ def is_lost_connection(err: BaseException) -> bool:
 
 def process_states(ranks: RankInfo, among: list[int] | None = None) -> dict[int, str]:
     """The ranks (of `among`, default all but this one) whose process on this host is gone (DIED)
-    or stopped (STOPPED); ranks on other hosts are not seen."""
-    host = socket.gethostname()
+    or stopped (STOPPED); ranks on other hosts (or in other containers) are not seen."""
+    here = pid_space()
     found = {}
     for rank in among if among is not None else range(ranks.world_size):
-        if rank == ranks.rank or rank not in ranks.processes or ranks.processes[rank][0] != host:
+        if rank == ranks.rank or rank not in ranks.processes or ranks.processes[rank][0] != here:
             continue
         state = _process_state(ranks.processes[rank][1])
         if state is not None:
@@ -79,15 +78,17 @@ def _process_state(pid: int) -> str | None:
 
 def lost_peers(err: BaseException, ranks: RankInfo) -> dict[int, str] | None:
     """None when `err` says nothing of a lost peer; else {rank: DIED, STOPPED, SILENT or
-    DISCONNECTED}, empty when which rank cannot be told."""
+    DISCONNECTED}, empty when which rank cannot be told. Every peer found gone or stopped on this
+    host is named: a rank that exited after losing a peer fails its own transfers too, and which
+    of them failed first cannot be told."""
     if isinstance(err, Terminated):
         return err.lost or None
     if not is_lost_connection(err):
         return None
     seen = process_states(ranks)
     peer = getattr(err, "peer", None)
-    if peer is not None:
-        return {peer: seen.get(peer, SILENT if err.timed_out else DISCONNECTED)}
+    if peer is not None:  # and the others gone: the peer that failed first may not be the one named
+        return {**seen, peer: seen.get(peer, SILENT if err.timed_out else DISCONNECTED)}
     if seen:
         return seen
     others = [r for r in range(ranks.world_size) if r != ranks.rank]

@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from dflash.placement.distributed import RankInfo
-from dflash.placement.peers import DIED, SILENT, STOPPED, Terminated, lost_peers
+from dflash.placement.peers import DIED, DISCONNECTED, SILENT, STOPPED, Terminated, lost_peers
 from dflash.placement.topology import Topology
 
 HOW = {STOPPED: "is stopped (SIGSTOP, or a debugger holds it: its process does not run)",
-       DIED: "died or exited", SILENT: "stopped answering (for --transport-timeout-s)"}
+       DIED: "died or exited", SILENT: "stopped answering (for --transport-timeout-s)",
+       DISCONNECTED: "dropped its connection"}
 # a stopped peer comes first: the ranks that were waiting on it time out and exit, and then look
 # gone to the others too
 ORDER = {how: i for i, how in enumerate(HOW)}
@@ -30,10 +31,11 @@ class PeerLost(RuntimeError):
     def __init__(self, rank: int, role: str | None, step: int | None, lost: dict[int, str],
                  roles: dict[int, str], out_dir: Path, cause: BaseException) -> None:
         self.rank, self.role, self.step, self.lost = rank, role, step, lost
-        me = f"rank {rank}" + (f" ({role})" if role else "") + (f" at step {step}" if step is not None else " during set-up")
+        me = f"rank {rank}" + (f" ({role})" if role else "")
+        me += f" at step {step}" if step is not None else " during set-up"
         if lost:
             accounts = "; ".join(_account(peer, how, roles.get(peer), out_dir)
-                                 for peer, how in sorted(lost.items(), key=lambda item: (ORDER.get(item[1], 9), item[0])))
+                                 for peer, how in sorted(lost.items(), key=lambda item: (ORDER[item[1]], item[0])))
         else:
             accounts = ("a peer rank is gone or silent (the launcher's report, or the first error of the other ranks, "
                         "names it)")
@@ -45,7 +47,7 @@ def _account(peer: int, how: str, role: str | None, out_dir: Path) -> str:
     log = f"its log: the lines tagged [rank{peer}] in the launcher's output"
     if role == "target":
         log += f", its progress: {out_dir / 'target_metrics' / f'rank{peer}.jsonl'}"
-    return f"{name} {HOW.get(how, 'dropped its connection')} ({log})"
+    return f"{name} {HOW[how]} ({log})"
 
 
 def short_cause(err: BaseException) -> str:

@@ -156,7 +156,7 @@ def check_survivor(err: str, rank: int, dead: str) -> None:
     assert len(lines) == 1, err[-3000:]
     assert re.match(rf"rank {rank} \((drafter|target)\) at step \d+: ", lines[0]), lines
     victim = dead.rsplit(" ", 1)[1]
-    assert f"{dead} died or exited (its log: the lines tagged [rank{victim}] in the launcher's output" in lines[0], lines
+    assert f"{dead} died or exited (its log: the lines tagged [rank{victim}] in the launcher's" in lines[0], lines
     newest = re.search(r"; the newest checkpoint is (\S+): resume with the same command plus --resume$", lines[0])
     assert newest and Path(newest[1]).is_dir(), lines
 

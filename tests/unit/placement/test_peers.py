@@ -4,8 +4,8 @@ the peers' processes on this host tell a dead rank from a stopped one."""
 
 from __future__ import annotations
 
+import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.placement.distributed import RankInfo
+from dflash.placement.distributed import RankInfo, pid_space
 from dflash.placement.peers import DIED, DISCONNECTED, SILENT, STOPPED, Terminated, lost_peers, process_states
 from dflash.placement.topology import Topology
 from dflash.placement.transport import TransportError
@@ -26,8 +26,8 @@ SPLIT = Topology(3, target_ranks=[2], drafter_ranks=[0, 1])
 
 
 def rank_info(rank: int, pids: dict[int, int], world: int = 3) -> RankInfo:
-    host = socket.gethostname()
-    return RankInfo(rank, world, rank, torch.device("cpu"), {r: (host, pid) for r, pid in pids.items()})
+    here = pid_space()
+    return RankInfo(rank, world, rank, torch.device("cpu"), {r: (here, pid) for r, pid in pids.items()})
 
 
 @pytest.fixture
@@ -61,18 +61,21 @@ def test_a_failed_collective_names_the_peer_found_gone_or_none(peer_process):
 
 
 def test_a_transport_error_names_its_peer_and_whether_it_went_silent(peer_process):
-    ranks = rank_info(0, {1: peer_process.pid, 2: peer_process.pid})
+    ranks = rank_info(0, {1: os.getpid(), 2: peer_process.pid})  # rank 1 runs on
     assert lost_peers(TransportError("... timed out ...", peer=2, timed_out=True), ranks) == {2: SILENT}
     assert lost_peers(TransportError("... failed ...", peer=2), ranks) == {2: DISCONNECTED}
     peer_process.send_signal(signal.SIGSTOP)
     time.sleep(0.2)
     assert lost_peers(TransportError("... timed out ...", peer=2, timed_out=True), ranks) == {2: STOPPED}
     assert lost_peers(Terminated({2: DIED}), ranks) == {2: DIED}
+    # a drafter exited after losing the other one, and the target saw its transfer fail first
+    after = rank_info(2, {0: 0x7FFFFFF0, 1: 0x7FFFFFF1})
+    assert lost_peers(TransportError("... failed ...", peer=0), after) == {0: DIED, 1: DIED}
     assert lost_peers(Terminated({}), ranks) is None  # a SIGTERM with every peer running: a plain stop
 
 
 def test_the_line_names_this_rank_its_step_the_lost_rank_and_its_log(tmp_path):
-    ranks = rank_info(0, {1: 0x7FFFFFF0, 2: 0x7FFFFFF1})
+    ranks = rank_info(0, {1: os.getpid(), 2: 0x7FFFFFF1})
     err = TransportError("rank 0 (drafter), step 5: the response failed", peer=2)
     err.__cause__ = RuntimeError(GLOO_CLOSED)
     line = str(peer_lost(err, ranks, SPLIT, 5, tmp_path))
