@@ -77,6 +77,17 @@ def _process_state(pid: int) -> str | None:
 
 
 def lost_peers(err: BaseException, ranks: RankInfo) -> dict[int, str] | None:
+    """lost_peers_of(err), or of the error it was raised from or while handling (a SIGTERM that
+    arrived while this rank was taking in a failed transfer, say)."""
+    while err is not None:
+        lost = lost_peers_of(err, ranks)
+        if lost is not None:
+            return lost
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def lost_peers_of(err: BaseException, ranks: RankInfo) -> dict[int, str] | None:
     """None when `err` says nothing of a lost peer; else {rank: DIED, STOPPED, SILENT or
     DISCONNECTED}, empty when which rank cannot be told. Every peer found gone or stopped on this
     host is named: a rank that exited after losing a peer fails its own transfers too, and which

@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             abandon(1)
             return 1
         # a peer lost in the run's phases is a PeerLost already; before them (set-up), it is one now
-        lost = err if isinstance(err, PeerLost) else peer_lost(err, ranks, None, None, Path(config.train.output_dir))
+        lost = err if isinstance(err, PeerLost) else peer_lost(err, ranks, None, getattr(err, "step", None),
+                                                               Path(config.train.output_dir))
         if lost is not None and not INTERRUPTED.is_set():  # after Ctrl-C, a peer may leave first
             logger.error("%s; %s", lost, how_to_continue(config))
             abandon(1)

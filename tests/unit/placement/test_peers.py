@@ -72,6 +72,13 @@ def test_a_transport_error_names_its_peer_and_whether_it_went_silent(peer_proces
     after = rank_info(2, {0: 0x7FFFFFF0, 1: 0x7FFFFFF1})
     assert lost_peers(TransportError("... failed ...", peer=0), after) == {0: DIED, 1: DIED}
     assert lost_peers(Terminated({}), ranks) is None  # a SIGTERM with every peer running: a plain stop
+    try:  # a SIGTERM that arrives while the failed transfer is being taken in
+        try:
+            raise TransportError("... failed ...", peer=2)
+        except TransportError:
+            raise Terminated({})
+    except Terminated as terminated:
+        assert lost_peers(terminated, ranks) == {2: STOPPED}
 
 
 def test_the_line_names_this_rank_its_step_the_lost_rank_and_its_log(tmp_path):
