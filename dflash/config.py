@@ -43,6 +43,8 @@ class ModelArgs:
     block_size: int | None = field(default=None, metadata={"help": "B, tokens drafted per forward (recipe 16, demo 8)"})
     draft_window: int = field(default=0, metadata={"help": "sliding window of the drafter's layers: a block sees the W context positions before its anchor (0: all)"})
     mask_token_id: int | None = field(default=None, metadata={"help": "default: tokenizer mask token, else a spare embedding row (a GGUF's first [PAD<row>] placeholder, else the first row past the tokenizer)"})
+    allow_tokenizer_mismatch: bool = field(default=False, metadata={
+        "help": "train although --tokenizer's special ids or vocabulary differ from --target's (a warning, not an error)"})
     attention_backend: str = field(default="auto", metadata={"help": "auto | sdpa | flex"})
     kernels: str = field(default="fast", metadata={"help": "fast (flex attention, fused lm_head loss, compiled layers on GPU) | naive (dense SDPA mask, full logits, eager: the reference the benchmark compares with)"})
 

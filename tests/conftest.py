@@ -91,16 +91,18 @@ def run_trainer(args: list[str], nproc: int = 0, timeout: int = 600, env: dict |
 
 def start_ranks(args: list[str], world: int, stderr=subprocess.DEVNULL) -> list[subprocess.Popen]:
     """Each rank of train_drafter.py as its own process (no launcher), so a test can kill or
-    stop one of them and see what the others do on their own. `stderr` is rank 0's."""
+    stop one of them and see what the others do on their own. `stderr` is rank 0's, or a list
+    with each rank's."""
     import os
 
     base = {**os.environ, "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(free_port())}
     # Ctrl-C as from a terminal: a suite started in the background (`cmd &`) ignores SIGINT, and
     # its children would inherit that (train_drafter.py then leaves SIGINT alone, as it should)
+    errs = stderr if isinstance(stderr, list) else [stderr] + [subprocess.DEVNULL] * (world - 1)
     return [subprocess.Popen([sys.executable, str(REPO / "train_drafter.py"), *args], cwd=REPO,
                              env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
-                             stdout=subprocess.DEVNULL, stderr=stderr if r == 0 else subprocess.DEVNULL, text=True,
+                             stdout=subprocess.DEVNULL, stderr=errs[r], text=True,
                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
             for r in range(world)]
 

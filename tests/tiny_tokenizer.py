@@ -61,13 +61,13 @@ _MERGED_WORDS = (
 )
 
 
-def _byte_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
+def _byte_vocab_and_merges(words: tuple[str, ...]) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """Specials first, then the byte alphabet, then left-to-right merges of each word."""
     vocab: dict[str, int] = {}
     for token in (*SPECIAL_TOKENS, *sorted(pre_tokenizers.ByteLevel.alphabet())):
         vocab.setdefault(token, len(vocab))
     merges: list[tuple[str, str]] = []
-    for word in _MERGED_WORDS:
+    for word in words:
         for end in range(2, len(word) + 1):
             left, right, merged = word[: end - 1], word[end - 1], word[:end]
             if merged not in vocab:
@@ -76,9 +76,10 @@ def _byte_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
     return vocab, merges
 
 
-def make_tiny_tokenizer(chat_template: bool = True) -> PreTrainedTokenizerFast:
-    """Return a fresh tiny tokenizer; `chat_template=False` leaves the template unset."""
-    vocab, merges = _byte_vocab_and_merges()
+def make_tiny_tokenizer(chat_template: bool = True, words: tuple[str, ...] = _MERGED_WORDS) -> PreTrainedTokenizerFast:
+    """Return a fresh tiny tokenizer; `chat_template=False` leaves the template unset. Other `words`
+    (the same ones reordered, say) give another model's tokenizer of the same kind."""
+    vocab, merges = _byte_vocab_and_merges(words)
     backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()

@@ -3,6 +3,7 @@
   chat_formats  chat JSONL records (OpenAI, ShareGPT, prompt/response) -> template messages
   tokenization  tokenizers, chat-template ids and the loss mask on assistant tokens
   thinking      the chat template's thinking switch, resolved once (--thinking)
+  tokenizer_match  whether a tokenizer belongs to the target (size, special ids, vocabulary)
   prepare       a tokenized shard directory, in parallel, with progress
   shards        the shard's files and manifest
   dataset       TokenDataset and collate

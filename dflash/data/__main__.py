@@ -23,6 +23,7 @@ from dflash.data.dataset import TokenDataset
 from dflash.data.sampler import RankAwareBucketSampler
 from dflash.data.thinking import resolve_thinking
 from dflash.data.tokenization import load_tokenizer
+from dflash.data.tokenizer_match import check_tokenizer_matches_target
 from dflash.target.frozen import TargetError
 from dflash.target.gguf import resolve_target, run_target_dir
 from dflash.training.shard import prepare_train_shard
@@ -101,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = parse_config(argv[1:], for_training=False)
         tokenizer = load_tokenizer(config.model.tokenizer)
+        check_tokenizer_matches_target(tokenizer, config.model.target, config.model.tokenizer,
+                                       config.model.allow_tokenizer_mismatch)
         shard = prepare_train_shard(config, tokenizer, resolve_thinking(tokenizer, config.data.thinking))
         if argv[0] == "prepare":  # a GGUF target's conversion too, which the launched run then reuses
             resolve_target(config.model.target, run_target_dir(config.train.output_dir))

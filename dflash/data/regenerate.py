@@ -42,6 +42,7 @@ from dflash.data.chat_formats import DataError, Messages, load_chat_jsonl
 from dflash.data.partials import PartialSink, partial_path, read_partials, write_output
 from dflash.data.thinking import THINKING_FLAG_VALUES, THINKING_HELP, resolve_thinking, thinking_kwargs
 from dflash.data.tokenization import load_tokenizer, prompt_ids, prompt_messages
+from dflash.data.tokenizer_match import check_tokenizer_matches_target
 from dflash.target.frozen import FrozenTarget, TargetError, load_target_config
 from dflash.target.generate import generate_batches, stop_token_ids
 from dflash.target.graphs import GraphReplays
@@ -65,6 +66,8 @@ class RegenerateArgs:
     prompts: str = field(metadata={"help": "chat JSONL; the final assistant turn (if any) is replaced"})
     output: str = field(metadata={"help": "chat JSONL to write (usable as --train-data)"})
     tokenizer: str | None = field(default=None, metadata={"help": "default: --target"})
+    allow_tokenizer_mismatch: bool = field(default=False, metadata={
+        "help": "generate although --tokenizer's special ids or vocabulary differ from --target's"})
     max_new_tokens: int = 2048
     batch_tokens: int = field(default=0, metadata={
         "help": "hf and fast engines: at most rows x (the batch's longest prompt + --max-new-tokens) per batch; "
@@ -325,6 +328,7 @@ def regenerate(args: RegenerateArgs) -> Path:
     if args.limit:
         conversations = conversations[: args.limit]
     tokenizer = load_tokenizer(args.tokenizer or args.target)
+    check_tokenizer_matches_target(tokenizer, args.target, args.tokenizer or args.target, args.allow_tokenizer_mismatch)
     args = replace(args, thinking=resolve_thinking(tokenizer, args.thinking))  # recorded as resolved
     output = Path(args.output)
     with RankGroup(launch, args.peer_timeout_s, "--peer-timeout-s") as group:

@@ -21,6 +21,8 @@ import torch
 from dflash.config import EVAL_FLAGS, check_eval_flags
 from dflash.data.chat_formats import DataError
 from dflash.data.thinking import THINKING_HELP
+from dflash.data.tokenization import load_tokenizer
+from dflash.data.tokenizer_match import check_tokenizer_matches_target
 from dflash.demo import DEMO_HELDOUT_DATA, DEMO_TARGET_DIR, require_demo_assets
 from dflash.drafter.export import DrafterLoadError
 from dflash.eval.evaluate import check_lossless, evaluate_drafters, write_reports
@@ -36,6 +38,8 @@ class EvalArgs:
     target: str = field(default=str(DEMO_TARGET_DIR), metadata={
         "help": "HF causal-LM folder, or a .gguf file (de-quantized once into <file>.hf, or ~/.cache/dflash/)"})
     tokenizer: str | None = field(default=None, metadata={"help": "default: --target"})
+    allow_tokenizer_mismatch: bool = field(default=False, metadata={
+        "help": "evaluate although --tokenizer's special ids or vocabulary differ from --target's"})
     prompts: str = field(default=str(DEMO_HELDOUT_DATA), metadata={"help": "chat JSONL; the last assistant turn is dropped"})
     num_prompts: int = 16
     max_new_tokens: int = 96
@@ -60,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         check_eval_flags(args.prompts, args.num_prompts, args.max_new_tokens, args.dtype, EVAL_FLAGS, min_prompts=1)
         if args.decoder not in DECODERS:
             raise ValueError(f"--decoder {args.decoder}: use one of {', '.join(DECODERS)}")
+        tokenizer = args.tokenizer or args.target
+        check_tokenizer_matches_target(load_tokenizer(tokenizer), args.target, tokenizer, args.allow_tokenizer_mismatch)
         device = pick_device(args.device, 0)
         reports = evaluate_drafters(
             args.target, args.tokenizer or args.target, {"drafter": args.drafter}, args.prompts,

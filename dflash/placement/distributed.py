@@ -12,7 +12,7 @@ import os
 import socket
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import NoReturn
 
@@ -31,10 +31,21 @@ class RankInfo:
     world_size: int
     local_rank: int
     device: torch.device
+    processes: dict[int, tuple[str, int]] = field(default_factory=dict)  # rank -> (pid_space(), pid)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+def pid_space() -> str:
+    """Where this process's pid means this process: the machine's boot and the pid namespace (a
+    container has its own), or the host name where those are not to be read."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f"{f.read().strip()}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return socket.gethostname()
 
 
 def _free_port() -> int:
@@ -66,7 +77,9 @@ def init_distributed(requested_device: str, timeout_minutes: float = 10.0) -> Ra
         dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes),
                                 device_id=device if device.type == "cuda" else None)
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=timeout_minutes))
-    info = RankInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
+    processes: list[tuple[str, int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(processes, (pid_space(), os.getpid()))  # to tell which peer is gone, when one is
+    info = RankInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, dict(enumerate(processes)))
     setup_logging(info.rank)
     return info
 

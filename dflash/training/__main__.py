@@ -18,29 +18,50 @@ import sys
 import threading
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dflash.config import RunConfig, parse_config
 from dflash.data.chat_formats import DataError
+from dflash.placement.peers import Terminated, process_states
 from dflash.placement.topology import TopologyError
 from dflash.target.frozen import TargetError
 from dflash.training.checkpoint import CheckpointError, latest_checkpoint
+from dflash.training.peer_loss import PeerLost, peer_lost
 from dflash.training.spike import SkippedStepsError
 from dflash.util.cli import ConfigError, user_error
 from dflash.util.files import StorageError
 
+if TYPE_CHECKING:
+    from dflash.placement.distributed import RankInfo
+
 logger = logging.getLogger("dflash.train")
 USER_ERRORS = (ConfigError, DataError, TargetError, TopologyError, CheckpointError, StorageError, SkippedStepsError)
 INTERRUPTED = threading.Event()  # set by on_sigint
+TERMINATED = threading.Event()  # set by on_sigterm
+ENDING = threading.Event()  # this process winds down: a later signal raises nothing
 EXIT_INTERRUPTED = 130  # what a shell reports for a command ended by Ctrl-C
+EXIT_TERMINATED = 143  # ... and by SIGTERM
+RANKS: RankInfo | None = None  # this process's rank, once the process group is up
 
 
 def on_sigint(signum, frame) -> None:
     """Ctrl-C: KeyboardInterrupt, as Python's default handler raises, but once: a launcher forwards
     the signal again, and the second must not cut the wind-down short. A rank blocked in a
     collective may see the error of a peer that left first; INTERRUPTED tells that apart."""
-    if not INTERRUPTED.is_set():
+    if not ENDING.is_set():
+        ENDING.set()
         INTERRUPTED.set()
         raise KeyboardInterrupt
+
+
+def on_sigterm(signum, frame) -> None:
+    """SIGTERM: torchrun, deepspeed and accelerate send it to every rank once one has failed (and
+    SIGKILL 30 s later). Raised once, as Terminated, with the peers found gone or stopped at this
+    moment: the line this rank gives names them."""
+    if not ENDING.is_set():
+        ENDING.set()
+        TERMINATED.set()
+        raise Terminated(process_states(RANKS) if RANKS is not None else {})
 
 
 def how_to_continue(config: RunConfig) -> str:
@@ -52,9 +73,10 @@ def how_to_continue(config: RunConfig) -> str:
 
 
 def interrupted_line(config: RunConfig, err: BaseException) -> str:
-    """Where an interrupted run stands and how to continue it, in one line."""
+    """Where an interrupted (Ctrl-C) or terminated (SIGTERM) run stands and how to continue it, in one line."""
     step = getattr(err, "step", None)
-    at = f"interrupted at step {step}" if step is not None else "interrupted"
+    what = "interrupted" if INTERRUPTED.is_set() or not TERMINATED.is_set() else "stopped by SIGTERM"
+    at = f"{what} at step {step}" if step is not None else what
     return f"{at}; {how_to_continue(config)}"
 
 
@@ -95,27 +117,38 @@ def main(argv: list[str] | None = None) -> int:
     from dflash.placement.distributed import abandon, exit_now, init_distributed, shutdown
     from dflash.training.run import train
 
-    ranks = init_distributed(config.train.device, config.train.dist_timeout_minutes)
+    global RANKS
+    ranks = RANKS = init_distributed(config.train.device, config.train.dist_timeout_minutes)
     try:
         result = train(config, ranks)
         if ranks.is_main and config.data.eval_data and config.train.eval_prompts > 0:
             final_evaluation(config, result, ranks.device)
     except USER_ERRORS as err:
+        ENDING.set()
         logger.error("%s", err)
         abandon(2)
         return 2
     except BaseException as err:
         import torch  # loaded by the run already
 
+        ENDING.set()
         if isinstance(err, torch.OutOfMemoryError):
             logger.error("%s", out_of_memory_line(config, ranks.rank, err))
             abandon(1)
             return 1
-        if isinstance(err, KeyboardInterrupt) or INTERRUPTED.is_set():
+        # a peer lost in the run's phases is a PeerLost already; before them (set-up), it is one now
+        lost = err if isinstance(err, PeerLost) else peer_lost(err, ranks, None, getattr(err, "step", None),
+                                                               Path(config.train.output_dir))
+        if lost is not None and not INTERRUPTED.is_set():  # after Ctrl-C, a peer may leave first
+            logger.error("%s; %s", lost, how_to_continue(config))
+            abandon(1)
+            exit_now(1)
+        if isinstance(err, KeyboardInterrupt) or INTERRUPTED.is_set() or TERMINATED.is_set():
+            code = EXIT_INTERRUPTED if INTERRUPTED.is_set() else EXIT_TERMINATED
             if ranks.is_main:
                 logger.warning("%s", interrupted_line(config, err))
-            abandon(EXIT_INTERRUPTED)
-            exit_now(EXIT_INTERRUPTED)
+            abandon(code)
+            exit_now(code)
         # said before the teardown: with a dead peer, tearing NCCL down may never return
         traceback.print_exc()
         abandon(1)
@@ -128,12 +161,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def command() -> int:
-    """`main` as a terminal runs it (dflash-train, train_drafter.py): `kill -USR1 <pid>` prints
-    every thread's stack, and Ctrl-C winds the run down once (not where the shell ignores it)."""
+    """`main` as a terminal or a launcher runs it (dflash-train, train_drafter.py): `kill -USR1 <pid>`
+    prints every thread's stack; Ctrl-C (not where the shell ignores it) and SIGTERM wind the run
+    down once."""
     faulthandler.register(signal.SIGUSR1)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, on_sigint)
-    return main()
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        return main()
+    except KeyboardInterrupt:  # where main() does not handle it: parsing, joining the process group, the end
+        return EXIT_TERMINATED if TERMINATED.is_set() else EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

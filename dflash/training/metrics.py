@@ -162,13 +162,14 @@ class TargetLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._started = False
         self._last_logged = -1
+        self.last_step: int | None = None  # of the request served last
         # only rank 0 speaks at INFO (setup_logging), and a target rank never is rank 0: its progress
         # line goes through a logger of its own that does
         self._logger = logging.getLogger("dflash.target_progress")
         self._logger.setLevel(logging.INFO)
 
     def __call__(self, record: dict) -> None:
-        step = record["step"]
+        step = self.last_step = record["step"]
         if not self._started and self.path.is_file():  # this run's first request: it redoes later steps
             lines = self.path.read_text().splitlines(keepends=True)
             write_text_durably(self.path, "".join(line for line in lines if _logged_step(line) < step))

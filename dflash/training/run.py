@@ -10,6 +10,7 @@ sharding) is the drafter ranks alone.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -23,6 +24,7 @@ from dflash.config import RunConfig, earlier_run_files
 from dflash.data.dataset import TokenDataset
 from dflash.data.thinking import resolve_thinking
 from dflash.data.tokenization import load_tokenizer
+from dflash.data.tokenizer_match import check_tokenizer_matches_target
 from dflash.drafter.export import export_drafter
 from dflash.drafter.flops import cost_shapes
 from dflash.drafter.model import drafter_config
@@ -39,6 +41,7 @@ from dflash.target.gguf import gguf_file, resolve_target, run_target_dir
 from dflash.training.checkpoint import latest_checkpoint
 from dflash.training.drafter_setup import DrafterRun, RankContext, build_drafter_run, train_dtype
 from dflash.training.metrics import TargetLog
+from dflash.training.peer_loss import peer_losses_reported
 from dflash.training.run_report import RunReport
 from dflash.training.schedules import feature_noise_std
 from dflash.training.shard import prepare_train_shard, train_shard_dir
@@ -160,8 +163,10 @@ def train(config: RunConfig, ranks: RankInfo) -> TrainResult:
     serve features (target ranks) or train (drafter ranks)."""
     device = ranks.device
     dtype = train_dtype(config, device)
-    settle_target(config, ranks)
     tokenizer = load_tokenizer(config.model.tokenizer)
+    check_tokenizer_matches_target(tokenizer, config.model.target, config.model.tokenizer,
+                                   config.model.allow_tokenizer_mismatch, warn=ranks.is_main)
+    settle_target(config, ranks)
     thinking = resolve_thinking(tokenizer, config.data.thinking)
     dcfg = build_drafter_config(config, tokenizer, thinking)
     clear_earlier_run(config, ranks)
@@ -184,17 +189,20 @@ def train(config: RunConfig, ranks: RankInfo) -> TrainResult:
     out_dir = Path(config.train.output_dir)
     cache = feature_cache(config, dataset, spec, ranks) if target is not None else None
     if not topology.is_drafter(ranks.rank):
-        server = TargetServer(
-            ranks.rank, topology.drafter_ranks, spec,
-            lambda indices: compute_features(target, dataset, indices, pad_id, with_final, cache=cache), pairs,
-            on_served=TargetLog(out_dir, ranks.rank, config.train.log_every),
-        )
-        server.serve()  # until every drafter rank says stop; rank 0's routing report has the counts
+        served = TargetLog(out_dir, ranks.rank, config.train.log_every)
+        with peer_losses_reported(ranks, topology, out_dir, lambda: served.last_step):
+            server = TargetServer(
+                ranks.rank, topology.drafter_ranks, spec,
+                lambda indices: compute_features(target, dataset, indices, pad_id, with_final, cache=cache), pairs,
+                on_served=served,
+            )
+            server.serve()  # until every drafter rank says stop; rank 0's routing report has the counts
         return TrainResult("target", 0, 0.0, out_dir / "drafter", out_dir / "drafter-init", {})
     if topology.colocated:
         source = LocalFeatures(target, dataset, pad_id, with_final, cache)
     else:
-        client = DrafterClient(ranks.rank, topology.target_ranks, spec, dataset.lengths, pairs, topology.nodes)
+        with peer_losses_reported(ranks, topology, out_dir, lambda: None):
+            client = DrafterClient(ranks.rank, topology.target_ranks, spec, dataset.lengths, pairs, topology.nodes)
         source = RemoteFeatures(client, device)
     ctx = RankContext(config, ranks, topology, dcfg, tokenizer, dataset, target, data_group, self_group)
     return train_drafter_rank(ctx, source)
@@ -204,12 +212,16 @@ def train_drafter_rank(ctx: RankContext, source: FeatureSource) -> TrainResult:
     """Build, loop, finish. The step, the report and the checkpointer each decide when they act."""
     run = build_drafter_run(ctx)
     report = RunReport(ctx, run, source)
-    try:
-        train_steps(ctx, run, report, source)
+    peers_lost = functools.partial(peer_losses_reported, ctx.ranks, ctx.topology, ctx.out_dir,
+                                   lambda: run.engine.global_steps)
+    try:  # on either, the save in flight (if any) is not the one the message names: it is cancelled
+        with peers_lost(on_loss=run.checkpointer.cancel):
+            train_steps(ctx, run, report, source)
     except KeyboardInterrupt as interrupt:
-        run.checkpointer.cancel()  # the save in flight, if any, is not the one the message names
+        run.checkpointer.cancel()
         raise Interrupted(run.engine.global_steps) from interrupt
-    return finish(ctx, run, report, source)
+    with peers_lost():
+        return finish(ctx, run, report, source)
 
 
 def train_steps(ctx: RankContext, run: DrafterRun, report: RunReport, source: FeatureSource) -> None:

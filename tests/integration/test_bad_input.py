@@ -332,3 +332,45 @@ def test_running_out_of_gpu_memory_names_the_flags_that_size_a_step(tiny_setup, 
                      "with --kl-weight 1.0 (the target's final hidden states travel too): lower them; no checkpoint "
                      "was saved (one is kept every --save-every-minutes M, or --save-every N steps): start again "
                      "with the same command plus --overwrite"]
+
+
+
+def test_a_tokenizer_of_another_model_stops_training_before_set_up(tiny_setup, tmp_path, capfd):
+    """Another model's tokenizer trained silently: its ids index the target's rows all the same."""
+    from conftest import tiny_args
+    from dflash.demo import DEMO_TARGET_DIR
+    from tiny_tokenizer import _MERGED_WORDS
+
+    target = tiny_setup["target"]
+    assert train_drafter.main(tiny_args(tiny_setup, tmp_path / "a", "--tokenizer", str(DEMO_TARGET_DIR))) == 2
+    err = capfd.readouterr().err
+    assert (f"--tokenizer {DEMO_TARGET_DIR} and --target {target} do not belong together: size: --tokenizer has "
+            "4096 tokens, more than the target's 328 embedding rows (its config's vocab_size)") in err, err
+    assert "no flag overrides the size check" in err and "Traceback" not in err
+    other = tmp_path / "other-tokenizer"
+    make_tiny_tokenizer(words=_MERGED_WORDS[::-1]).save_pretrained(other)  # same size and special tokens
+    assert train_drafter.main(tiny_args(tiny_setup, tmp_path / "b", "--tokenizer", str(other))) == 2
+    err = capfd.readouterr().err
+    assert "vocabulary: 65 of the first 325 ids name other tokens than in the tokenizer the target ships" in err, err
+    assert "or pass --allow-tokenizer-mismatch if the difference is deliberate" in err and "Traceback" not in err
+    assert not (tmp_path / "b" / "data").exists()  # refused before any data was tokenized
+
+
+def test_the_data_tools_eval_and_regenerate_refuse_a_tokenizer_of_another_model(tiny_setup, tmp_path, capsys):
+    from dflash.data.__main__ import main as data_main
+    from dflash.data.regenerate import main as regenerate_main
+    from dflash.eval.__main__ import main as eval_main
+    from tiny_tokenizer import _MERGED_WORDS
+
+    other = tmp_path / "other-tokenizer"
+    make_tiny_tokenizer(words=_MERGED_WORDS[::-1]).save_pretrained(other)
+    pair = ["--target", str(tiny_setup["target"]), "--tokenizer", str(other)]
+    for main, argv in ((data_main, ["stats", *pair, "--train-data", str(tiny_setup["train"]),
+                                    "--output-dir", str(tmp_path / "run")]),
+                       (eval_main, [*pair, "--prompts", str(tiny_setup["heldout"])]),
+                       (regenerate_main, [*pair, "--prompts", str(tiny_setup["heldout"]),
+                                          "--output", str(tmp_path / "regen.jsonl")])):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and "Traceback" not in err, err
+        assert "vocabulary: 65 of the first 325 ids" in err and "--allow-tokenizer-mismatch" in err, err

@@ -192,7 +192,7 @@ class DrafterClient:
             if time.monotonic() > deadline:
                 raise TransportError(f"rank {self.rank} (drafter), {where}: timed out after {timeout:g} s "
                                      f"waiting for a free credit (in flight per target {self._route.in_flight}). "
-                                     "Check the targets' logs: they stopped answering.")
+                                     "Check the targets' logs: they stopped answering.", timed_out=True)
             self._progress()
             time.sleep(POLL_S)
         link = self._links[req.target]

@@ -151,6 +151,7 @@ class Link:
         # and a receive queued behind this rank's compute would keep the sender's kernel waiting
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" and not gloo_data else None
         self._completion = torch.cuda.Stream(device) if self._stream is not None else None
+        self.polled_at = time.monotonic()  # when the main thread last waited on this link (see Watchdog)
 
     # ---- posting
     def send_ints(self, values: list[int], where: str, what: str) -> Op:
@@ -207,7 +208,8 @@ class Link:
              on_poll: Callable[[], None] = _no_op) -> None:
         """Poll until every op is done (or one failed), then surface their errors."""
         while (pending := [op for op in ops if not op.done()]) and not any(op.error for op in ops):
-            if time.monotonic() > deadline:
+            self.polled_at = time.monotonic()
+            if self.polled_at > deadline:
                 raise self.timeout(where, what, timeout_s)
             on_poll()
             pending[0].pause(POLL_S)
@@ -229,14 +231,14 @@ class Link:
         return op.tensor
 
     # ---- errors and teardown
-    def error(self, where: str, what: str, hint: str) -> TransportError:
+    def error(self, where: str, what: str, hint: str, timed_out: bool = False) -> TransportError:
         return TransportError(f"rank {self.rank} ({self.role}), {where}: {what} "
-                              f"[peer: {self.peer_role} rank {self.peer}]. {hint}")
+                              f"[peer: {self.peer_role} rank {self.peer}]. {hint}", self.peer, timed_out)
 
     def timeout(self, where: str, what: str, timeout_s: float) -> TransportError:
         return self.error(where, f"timed out after {timeout_s:g} s waiting for {what}",
                           f"Check that rank {self.peer} is alive and progressing (its log); "
-                          "if it is only slow, raise --transport-timeout-s.")
+                          "if it is only slow, raise --transport-timeout-s.", timed_out=True)
 
     def dead_hint(self) -> str:
         return f"Check rank {self.peer}'s log: it probably crashed or exited without closing."
@@ -252,8 +254,9 @@ class Watchdog:
     on first use, a synchronising free) can wait forever behind an NCCL transfer from that peer,
     in the driver, where no Python timeout runs. So a thread checks the control channels once
     a second, and if a failure stands `grace_s` longer than the main thread needed to notice it,
-    it reports the failure and exits. Disarm it once the main thread has taken over (it raised,
-    or closed the transport)."""
+    while the main thread has not waited on any link for `grace_s` (one that does raises the
+    failure itself, at its own deadline), it reports the failure and exits. Disarm it once the
+    main thread has taken over (it raised, or closed the transport)."""
 
     def __init__(self, rank: int, role: str, links: dict[int, Link], timeout_s: float, grace_s: float) -> None:
         self.rank, self.role, self._links = rank, role, links
@@ -269,7 +272,10 @@ class Watchdog:
 
     def _run(self) -> None:
         while not self._disarmed.wait(1.0):
-            for link in list(self._links.values()):
+            links = list(self._links.values())
+            if time.monotonic() - max(link.polled_at for link in links) <= self.grace_s:
+                continue  # the main thread is waiting on the transport: it will see the failure
+            for link in links:
                 problem = link.stalled(self.timeout_s, self.grace_s)
                 if problem and not self._disarmed.is_set():
                     self._exit(problem)

@@ -151,7 +151,8 @@ class TargetServer:
                         f"rank {self.rank} (target): no request or STOP from drafter ranks "
                         f"{sorted(state.live)} for {self.spec.timeout_s:g} s (last step seen from each: "
                         f"{state.last_step}). Check those ranks' logs: a drafter that died, hung, "
-                        "or paused longer than --transport-timeout-s leaves its targets waiting.")
+                        "or paused longer than --transport-timeout-s leaves its targets waiting.",
+                        peer=min(state.live) if len(state.live) == 1 else None, timed_out=True)
                 else:
                     time.sleep(POLL_S)
                     stats.idle_s += time.monotonic() - now

@@ -32,7 +32,12 @@ Part = tuple[torch.dtype, tuple[int, ...]]
 
 
 class TransportError(RuntimeError):
-    """A peer timed out, died or broke the protocol. The message names both ranks and the step."""
+    """A peer timed out, died or broke the protocol. The message names both ranks and the step;
+    `peer` is the rank at the other end where one pair failed, `timed_out` whether it went silent."""
+
+    def __init__(self, message: str, peer: int | None = None, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.peer, self.timed_out = peer, timed_out
 
 
 @dataclass

@@ -268,3 +268,15 @@ def test_the_mask_is_the_first_placeholder_row_of_a_gguf_tokenizer(tmp_path, pla
         assert tokenizer.convert_ids_to_tokens(first) == f"[PAD{first}]"
         assert resolve_mask_token_id(tokenizer, config, None) == first
 
+
+def test_a_gguf_targets_tokenizer_is_the_one_a_tokenizer_flag_is_checked_against(tmp_path):
+    from dflash.data.tokenizer_match import check_tokenizer_matches_target
+    from dflash.util.cli import ConfigError
+    from tiny_tokenizer import _MERGED_WORDS
+
+    _, path = tiny_gguf(tmp_path)
+    check_tokenizer_matches_target(load_tokenizer(path), str(path), str(path))  # the file's own
+    check_tokenizer_matches_target(make_tiny_tokenizer(), str(path), "tokenizer-folder")  # the same vocabulary
+    with pytest.raises(ConfigError, match="vocabulary: 65 of the first 325 ids name other tokens than in the "
+                                          "tokenizer the target ships"):
+        check_tokenizer_matches_target(make_tiny_tokenizer(words=_MERGED_WORDS[::-1]), str(path), "tokenizer-folder")
