@@ -327,6 +327,14 @@ def check_deepspeed_config(path: str, grad_accum: int = 1) -> None:
 
 def validate(config: RunConfig, for_training: bool = True) -> None:
     """Checks that need no model or data: they fail in a second, not after loading."""
+    _validate_inputs_and_shapes(config)
+    _validate_run(config.train, for_training)
+    _validate_optimization(config.train)
+    _validate_output(config.train, for_training)
+
+
+def _validate_inputs_and_shapes(config: RunConfig) -> None:
+    """The model, data and eval flags, and the sizes of a block, a sequence and a micro-batch."""
     m, d, t = config.model, config.data, config.train
     _require(is_model_path(m.target),
              f"--target {m.target}: no such folder or .gguf file; pass a local HF model folder or a GGUF file")
@@ -359,6 +367,10 @@ def validate(config: RunConfig, for_training: bool = True) -> None:
     _require(m.kernels in ("fast", "naive"), f"--kernels {m.kernels}: use fast or naive")
     _require(d.bucket_boundaries == sorted(d.bucket_boundaries) and len(d.bucket_boundaries) >= 1,
              f"--bucket-boundaries {d.bucket_boundaries}: must be ascending")
+
+
+def _validate_run(t: TrainArgs, for_training: bool) -> None:
+    """Placement, guards, checkpoints, reporting and the device."""
     _require(t.target_ranks in ("colocated", "auto") or t.target_ranks.isdigit(),
              f"--target-ranks {t.target_ranks}: use colocated, auto, or a number of ranks")
     _require(t.spike_factor == 0 or t.spike_factor > 1, f"--spike-factor {t.spike_factor}: use 0 (NaN/inf only) or > 1")
@@ -378,6 +390,10 @@ def validate(config: RunConfig, for_training: bool = True) -> None:
     _require(t.device != "cuda" or torch.cuda.is_available(),
              "--device cuda: no CUDA device is visible on this machine; use --device cpu (or auto), or check "
              "CUDA_VISIBLE_DEVICES and the driver (nvidia-smi)")
+
+
+def _validate_optimization(t: TrainArgs) -> None:
+    """Precision, the optimizer and schedule, and how long the run is."""
     _require(t.precision in ("auto", "bf16", "fp32"), f"--precision {t.precision}: use auto, bf16 or fp32")
     _require(math.isfinite(t.lr) and t.lr > 0, f"--lr {t.lr}: use a positive learning rate (recipe 6e-4)")
     _require(0 <= t.warmup_ratio < 1, f"--warmup-ratio {t.warmup_ratio}: use a fraction in [0, 1)")
@@ -391,6 +407,10 @@ def validate(config: RunConfig, for_training: bool = True) -> None:
     _require(t.log_every >= 1, f"--log-every {t.log_every}: need at least 1")
     _require(t.eval_every >= 0, f"--eval-every {t.eval_every}: use 0 (off) or a step count")
     _require(t.profile_steps >= 0, f"--profile-steps {t.profile_steps}: use 0 (off) or a step count")
+
+
+def _validate_output(t: TrainArgs, for_training: bool) -> None:
+    """Timeouts, resume or overwrite, and an --output-dir this run may write."""
     _require(t.transport_timeout_s > 0 and t.dist_timeout_minutes > 0,
              "--transport-timeout-s and --dist-timeout-minutes must be > 0")
     _require(not (t.resume and t.overwrite), "--resume and --overwrite exclude each other: continue the run, or start afresh")

@@ -14,7 +14,6 @@
   prompt_filters  mostly-ASCII text, code requests, exact and near-duplicate prompts
   regenerate    the target rewrites the replies (python -m dflash.regenerate), sharded over a launch's ranks
   partials      regeneration's per-rank partial files (resume) and its output
-  __main__      python -m dflash.data prepare|stats (a command: it reads the run's flags, dflash.config)
 
 May import: dflash.util, dflash.target (a GGUF target's tokenizer, generation for regeneration).
 """

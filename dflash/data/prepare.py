@@ -73,32 +73,14 @@ def prepare_dataset(
     of the samples read. Replies cut at the length limit (target_reply.finish_reason "length") are
     kept without an end-of-turn token, or dropped (`cut_replies="drop"`), and counted.
     """
-    if overflow not in OVERFLOW_POLICIES:
-        raise DataError(f"--overflow must be one of {list(OVERFLOW_POLICIES)}, got {overflow!r}")
-    if on_bad_sample not in BAD_SAMPLE_POLICIES:
-        raise DataError(f"--on-bad-sample must be one of {list(BAD_SAMPLE_POLICIES)}, got {on_bad_sample!r}")
-    if max_length < 1:
-        raise DataError(f"--max-length must be a positive number of tokens, got {max_length}")
-    if loss_turns not in LOSS_TURNS:
-        raise DataError(f"--loss-turns must be one of {list(LOSS_TURNS)}, got {loss_turns!r}")
-    if thinking not in THINKING_MODES:
-        raise DataError(f"thinking must be a resolved mode, one of {list(THINKING_MODES)}, got {thinking!r}")
-    if cut_replies not in CUT_REPLY_POLICIES:
-        raise DataError(f"--cut-replies must be one of {list(CUT_REPLY_POLICIES)}, got {cut_replies!r}")
+    _check_options(max_length, overflow, on_bad_sample, loss_turns, thinking, cut_replies)
     require_chat_template(tokenizer)
     source, out = Path(jsonl_path), Path(out_dir)
-    settings = {
-        "format_version": FORMAT_VERSION,
-        "max_length": max_length,
-        "overflow": overflow,
-        "on_bad_sample": on_bad_sample,
-        "max_bad_fraction": max_bad_fraction,
-        "loss_turns": loss_turns,
-        "thinking": thinking,
-        "cut_replies": cut_replies,
-        "source": _source_identity(source),
-        "tokenizer": _tokenizer_identity(tokenizer),
-    }
+    # what a reused shard must have been prepared with
+    settings = {"format_version": FORMAT_VERSION, "max_length": max_length, "overflow": overflow,
+                "on_bad_sample": on_bad_sample, "max_bad_fraction": max_bad_fraction, "loss_turns": loss_turns,
+                "thinking": thinking, "cut_replies": cut_replies, "source": _source_identity(source),
+                "tokenizer": _tokenizer_identity(tokenizer)}
     if _is_up_to_date(out, settings):
         logger.info("reusing prepared data in %s (same source, tokenizer and settings)", out)
         return out
@@ -123,6 +105,20 @@ def prepare_dataset(
         logger.warning("%s: skipped %d bad samples of %d (%s); each is listed in %s", source, stats.samples_bad,
                        stats.samples_read, stats.bad_reasons, out / BAD_SAMPLES_FILE)
     return out
+
+
+def _check_options(max_length: int, overflow: str, on_bad_sample: str, loss_turns: str, thinking: str,
+                   cut_replies: str) -> None:
+    for flag, value, allowed in (("--overflow", overflow, OVERFLOW_POLICIES),
+                                 ("--on-bad-sample", on_bad_sample, BAD_SAMPLE_POLICIES),
+                                 ("--loss-turns", loss_turns, LOSS_TURNS),
+                                 ("--cut-replies", cut_replies, CUT_REPLY_POLICIES)):
+        if value not in allowed:
+            raise DataError(f"{flag} must be one of {list(allowed)}, got {value!r}")
+    if max_length < 1:
+        raise DataError(f"--max-length must be a positive number of tokens, got {max_length}")
+    if thinking not in THINKING_MODES:
+        raise DataError(f"thinking must be a resolved mode, one of {list(THINKING_MODES)}, got {thinking!r}")
 
 
 def _source_identity(source: Path) -> dict[str, Any]:

@@ -99,8 +99,21 @@ def tokenize_conversation(
         templated = replies if loss_turns == "all" else replies[-1:]
     encoded = _encode_with_offsets(tokenizer, text)
     ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
+    mask = _templated_turns_mask(tokenizer, messages, templated, template, text, whole, ids, offsets)
+    if cut_text:  # the tokens of the reply's characters, and no end-of-turn token after them
+        mask[_token_span(offsets, len(prompt), len(text))[0]:] = True
+    if emitted is not None:
+        return (np.asarray(ids + emitted, dtype=np.int32),
+                np.concatenate([mask, np.ones(len(emitted), dtype=bool)]))
+    return np.asarray(ids, dtype=np.int32), mask
+
+
+def _templated_turns_mask(tokenizer: PreTrainedTokenizerBase, messages: Messages, turns: list[int],
+                          template: dict, text: str, whole: str, ids: list[int], offsets) -> np.ndarray:
+    """True on the tokens of the assistant `turns` that the template renders within `text` (their
+    content and end-of-turn token, not the role header); each turn's render must be a text prefix."""
     mask = np.zeros(len(ids), dtype=bool)
-    for turn in templated:
+    for turn in turns:
         start = _render_text(tokenizer, messages[:turn], add_generation_prompt=True, **template)
         end = _render_text(tokenizer, messages[: turn + 1], add_generation_prompt=False, **template)
         _check_text_prefix(start, end, turn, "the generation prompt", "the turn")
@@ -108,12 +121,7 @@ def tokenize_conversation(
         _check_tool_calls_rendered(messages[turn], end[len(start):], turn)
         first, last = _token_span(offsets, len(start), len(end))
         mask[first:_reply_end(tokenizer, ids, first, last)] = True
-    if cut_text:  # the tokens of the reply's characters, and no end-of-turn token after them
-        mask[_token_span(offsets, len(prompt), len(text))[0]:] = True
-    if emitted is not None:
-        return (np.asarray(ids + emitted, dtype=np.int32),
-                np.concatenate([mask, np.ones(len(emitted), dtype=bool)]))
-    return np.asarray(ids, dtype=np.int32), mask
+    return mask
 
 
 def _emitted_ids(tokenizer: PreTrainedTokenizerBase, reply: TargetReply | None) -> list[int] | None:

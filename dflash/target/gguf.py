@@ -83,7 +83,7 @@ def default_cache_dir(source: Path) -> Path:
 
 
 def run_target_dir(output_dir: str | Path) -> Path:
-    """Where a training run (and `python -m dflash.data prepare` ahead of it) keeps its GGUF
+    """Where a training run (and `python -m dflash.tools.data prepare` ahead of it) keeps its GGUF
     target's conversion: beside the run, reused by its resumes and by later runs there."""
     return Path(output_dir) / "target-hf"
 

@@ -1,6 +1,6 @@
 """The training shard of a run: <output-dir>/data/train, prepared from the run's flags (reused
 when already prepared with them). The run (dflash/training/run.py) and
-`python -m dflash.data prepare|stats` both go through here.
+`python -m dflash.tools.data prepare|stats` both go through here.
 """
 
 from __future__ import annotations

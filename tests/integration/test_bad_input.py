@@ -143,7 +143,7 @@ def test_report_to_wandb_without_the_package_is_refused_before_set_up(capsys, pa
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
     fails_with(capsys, ["--target", paths["target"], "--train-data", paths["data"]],
                "--report-to wandb: the wandb package is not installed", "--report-to none")
-    # the data tools (`python -m dflash.data prepare`) report nothing, so they need no wandb
+    # the data tools (`python -m dflash.tools.data prepare`) report nothing, so they need no wandb
     from dflash.config import parse_config
 
     assert parse_config(["--target", paths["target"], "--train-data", paths["data"]], for_training=False)
@@ -357,7 +357,7 @@ def test_a_tokenizer_of_another_model_stops_training_before_set_up(tiny_setup, t
 
 
 def test_the_data_tools_eval_and_regenerate_refuse_a_tokenizer_of_another_model(tiny_setup, tmp_path, capsys):
-    from dflash.data.__main__ import main as data_main
+    from dflash.tools.data import main as data_main
     from dflash.data.regenerate import main as regenerate_main
     from dflash.eval.__main__ import main as eval_main
     from tiny_tokenizer import _MERGED_WORDS

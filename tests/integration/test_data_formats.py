@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash.data.__main__ import main as data_main
+from dflash.tools.data import main as data_main
 from dflash.data.dataset import TokenDataset
 from dflash.data.prepare import prepare_dataset
 from dflash.data.tokenization import load_tokenizer

@@ -618,7 +618,7 @@ def test_a_tokenizer_class_the_launching_script_defines_still_reaches_the_worker
 
 
 def test_data_tools_prepare_the_shard_the_run_reuses_and_report_stats(tmp_path, capsys):
-    from dflash.data.__main__ import main as data_main
+    from dflash.tools.data import main as data_main
 
     out = tmp_path / "run"
     assert data_main(["stats", "--output-dir", str(out)]) == 0
@@ -647,7 +647,7 @@ def test_repetition_loops_are_counted_over_trained_tokens_only():
     trained tokens; the prompt never counts, and the opening share looks at the first tokens only."""
     import numpy as np
 
-    from dflash.data.__main__ import repeated_ngram_share
+    from dflash.tools.data import repeated_ngram_share
 
     prompt = list(range(10, 20))  # the same tokens as the reply's cycle: must not count
     cycle = list(range(10, 20))

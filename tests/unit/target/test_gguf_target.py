@@ -225,7 +225,7 @@ def test_training_converts_on_rank_0_while_the_other_ranks_wait(tmp_path, monkey
 
 
 def test_data_prepare_takes_a_gguf_target_and_converts_it_for_the_run(tmp_path, capsys):
-    from dflash.data.__main__ import main as data_main
+    from dflash.tools.data import main as data_main
 
     _, path = tiny_gguf(tmp_path)
     out = tmp_path / "run"

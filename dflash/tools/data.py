@@ -1,7 +1,7 @@
 """Data tools run ahead of a launch, with the same flags as train_drafter.py:
 
-    python -m dflash.data prepare --target /models/Qwen3-8B --train-data chats.jsonl --output-dir runs/x
-    python -m dflash.data stats   --target /models/Qwen3-8B --train-data chats.jsonl --output-dir runs/x
+    python -m dflash.tools.data prepare --target /models/Qwen3-8B --train-data chats.jsonl --output-dir runs/x
+    python -m dflash.tools.data stats   --target /models/Qwen3-8B --train-data chats.jsonl --output-dir runs/x
 
 `prepare` tokenizes into <output-dir>/data/train, the shard the run with those flags then reuses
 (so a long preparation does not hold the launched ranks), and de-quantizes a GGUF --target into
@@ -96,7 +96,7 @@ def stats_report(config: RunConfig, dataset: TokenDataset) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in COMMANDS:
-        print(f"usage: python -m dflash.data {{{'|'.join(COMMANDS)}}} [train_drafter.py flags]", file=sys.stderr)
+        print(f"usage: python -m dflash.tools.data {{{'|'.join(COMMANDS)}}} [train_drafter.py flags]", file=sys.stderr)
         return 2
     setup_logging(0)
     try:
