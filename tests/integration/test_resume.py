@@ -108,8 +108,10 @@ def test_resume_on_another_number_of_drafter_ranks(tmp_path, before, after):
 
     from dflash.training.schedules import LRSchedule
 
-    steps, out = 24, tmp_path / "run"
-    args = ["--output-dir", str(out), "--max-steps", str(steps), "--save-every", "12", "--log-every", "1",
+    # the demo drafter's loss is on its plateau (~2.05, from 4.2) by step 5: a checkpoint at 6 and
+    # the 3 steps after the resume that the no-jump check reads are all that is trained
+    steps, out = 9, tmp_path / "run"
+    args = ["--output-dir", str(out), "--max-steps", str(steps), "--save-every", "6", "--log-every", "1",
             "--eval-prompts", "0", "--report-to", "none", "--target-ranks", "colocated"]
     kill_after_first_checkpoint(start_ranks(args, before), 0, out)
     checkpoint = latest_checkpoint(out)
