@@ -80,13 +80,36 @@ def tiny_setup(tmp_path_factory) -> dict[str, Path]:
             "heldout": write_chat_jsonl(root / "heldout.jsonl", 4, 1)}
 
 
-def run_trainer(args: list[str], nproc: int = 0, timeout: int = 600, env: dict | None = None,
-                ) -> subprocess.CompletedProcess:
+def trainer_command(args: list[str], nproc: int = 0) -> list[str]:
     """train_drafter.py as a user runs it: plain python, or torchrun with `nproc` processes."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                 "--master_port", str(free_port())] if nproc else [sys.executable]
-    return subprocess.run([*launcher, str(REPO / "train_drafter.py"), *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    return [*launcher, str(REPO / "train_drafter.py"), *args]
+
+
+def run_trainer(args: list[str], nproc: int = 0, timeout: int = 600, env: dict | None = None,
+                ) -> subprocess.CompletedProcess:
+    """train_drafter.py as a user runs it: plain python, or torchrun with `nproc` processes."""
+    return subprocess.run(trainer_command(args, nproc), cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env=env)
+
+
+class BackgroundTrainer:
+    """run_trainer started now and collected later (`result()`), so that a test can do something
+    else (another run) meanwhile; stderr goes to a file, not a pipe that could fill and stall it."""
+
+    def __init__(self, args: list[str], log: Path, nproc: int = 0):
+        self.command, self.log = trainer_command(args, nproc), log
+        with self.log.open("w") as err:
+            self.proc = subprocess.Popen(self.command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=err, text=True)
+
+    def result(self, timeout: int = 600) -> subprocess.CompletedProcess:
+        try:
+            self.proc.wait(timeout=timeout)
+        finally:
+            self.proc.kill()
+            self.proc.wait()
+        return subprocess.CompletedProcess(self.command, self.proc.returncode, "", self.log.read_text())
 
 
 def start_ranks(args: list[str], world: int, stderr=subprocess.DEVNULL) -> list[subprocess.Popen]:
