@@ -10,6 +10,7 @@ import json
 import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -89,6 +90,7 @@ class TeacherForced:
     eal: float
     tau: float  # exact: the chain decoding walks, 1 + mean accepted per cycle
     acceptance: list[float]  # P(slot j accepted) along that chain, j = 1..B-1
+    ce: float = 0.0  # the slot-weighted cross-entropy, averaged over the sequences: held-out loss
 
 
 def chain_walk(streaks: list[int], produced: int) -> list[int]:
@@ -117,20 +119,30 @@ def continuation(decoder: Decoder, prompt: list[int], max_new_tokens: int, eos_i
     return reply + decoder.greedy(prompt + reply, block_size - 1, eos_ids=set()).tokens, len(reply)
 
 
+FeaturesOf = Callable[[int, torch.Tensor], torch.Tensor]  # (sequence index, ids [1, S]) -> features [1, S, F]
+
+
+def target_features(target: FrozenTarget) -> FeaturesOf:
+    """Features computed by the target as each sequence comes (it is on this rank)."""
+    return lambda _, ids: target.features(ids).features
+
+
 @torch.no_grad()
-def teacher_forced(target: FrozenTarget, drafter: DFlashDrafter,
-                   sequences: list[tuple[list[int], list[int], int]]) -> TeacherForced:
-    """`sequences`: (prompt, continuation, reply tokens decoding keeps), from `continuation`."""
-    device = target.device
+def teacher_forced(drafter: DFlashDrafter, embed_tokens: torch.nn.Module, lm_head: torch.nn.Module,
+                   sequences: list[tuple[list[int], list[int], int]], features_of: FeaturesOf) -> TeacherForced:
+    """`sequences`: (prompt, continuation, reply tokens decoding keeps), from `continuation`; the
+    target's features of each come from `features_of` (computed here, or computed once elsewhere)."""
+    device = embed_tokens.weight.device
     block = drafter.block_size
     settings = StepSettings(max_anchors=0, slot_weights=slot_weights(block, 1.0),
                             attention_backend=resolve_backend("auto", device))
-    step = DrafterStep(drafter, target.embed_tokens, target.lm_head, settings)
+    step = DrafterStep(drafter, embed_tokens, lm_head, settings)
     correct = torch.zeros(block, dtype=torch.float64)
     count = torch.zeros(block, dtype=torch.float64)
     streaks: list[torch.Tensor] = []
     accepted: list[int] = []
-    for prompt, response, kept in sequences:
+    ces: list[float] = []
+    for index, (prompt, response, kept) in enumerate(sequences):
         ids = torch.tensor([prompt + response], device=device)
         loss_mask = torch.zeros_like(ids, dtype=torch.bool)
         loss_mask[:, len(prompt):] = True
@@ -138,17 +150,19 @@ def teacher_forced(target: FrozenTarget, drafter: DFlashDrafter,
         if anchors.numel() == 0:
             continue
         layout = BlockLayout(anchors, torch.ones_like(anchors, dtype=torch.bool), ids.shape[1], block)
-        out = step.loss(step.make_blocks(ids, loss_mask, layout), target.features(ids).features)
+        out = step.loss(step.make_blocks(ids, loss_mask, layout), features_of(index, ids))
         correct += out.slot_correct.double().cpu()
         count += out.slot_count.double().cpu()
         streaks.append(out.block_streaks.double().cpu())
+        ces.append(float(out.ce))
         accepted += chain_walk(out.block_streaks.long().tolist(), kept)
     acc = correct / count.clamp(min=1)
     chain = torch.tensor(accepted or [0], dtype=torch.float64)
     return TeacherForced(
         acc=[float(a) for a in acc[1:]], streak=float(torch.cat(streaks).mean()) if streaks else 0.0,
         eal=expected_acceptance_length(acc), tau=float(chain.mean() + 1),
-        acceptance=[float((chain >= j).double().mean()) for j in range(1, block)])
+        acceptance=[float((chain >= j).double().mean()) for j in range(1, block)],
+        ce=sum(ces) / max(len(ces), 1))
 
 
 def evaluate(target: FrozenTarget, drafter: DFlashDrafter, prompts: list[list[int]], max_new_tokens: int,
@@ -185,7 +199,7 @@ def evaluate(target: FrozenTarget, drafter: DFlashDrafter, prompts: list[list[in
     sequences = continuations[block]
     accepted_t = torch.tensor(accepted or [0], dtype=torch.float64)
     acceptance = [float((accepted_t >= j).double().mean()) for j in range(1, block)]
-    tf = teacher_forced(target, drafter, sequences)
+    tf = teacher_forced(drafter, target.embed_tokens, target.lm_head, sequences, target_features(target))
     return EvalReport(
         prompts=len(prompts), tau=float(accepted_t.mean() + 1), acceptance=acceptance,
         speedup=greedy_s / max(spec_s, 1e-9), greedy_seconds=greedy_s, speculative_seconds=spec_s,

@@ -24,6 +24,7 @@ from dflash.drafter.init_from_target import init_from_target_layers
 from dflash.drafter.model import DFlashDrafter
 from dflash.drafter.objective import LossTerms, default_gamma, slot_weights
 from dflash.drafter.step import DrafterStep, StepSettings
+from dflash.eval.periodic import ProbeSequences
 from dflash.placement.distributed import RankInfo
 from dflash.placement.topology import DrafterParallelism, Topology
 from dflash.target.frozen import FrozenTarget
@@ -51,6 +52,7 @@ class RankContext:
     target: FrozenTarget | None  # on target and colocated ranks
     data_group: Any  # the drafter ranks' process group (ZeRO, metrics, the spike decision)
     self_group: Any  # this rank alone (DeepSpeed's model-parallel slot)
+    probe: ProbeSequences | None = None  # the periodic tau's sequences, on drafter rank 0
 
     @property
     def drafter_rank(self) -> int:

@@ -42,7 +42,7 @@ from dflash.training.checkpoint import latest_checkpoint
 from dflash.training.drafter_setup import DrafterRun, RankContext, build_drafter_run, train_dtype
 from dflash.training.metrics import TargetLog
 from dflash.training.peer_loss import peer_losses_reported
-from dflash.training.run_report import RunReport
+from dflash.training.run_report import RunReport, held_out_probe
 from dflash.training.schedules import feature_noise_std
 from dflash.training.shard import prepare_train_shard, train_shard_dir
 from dflash.training.spike import StepTally, gradient_scaled, weights_norm
@@ -188,6 +188,8 @@ def train(config: RunConfig, ranks: RankInfo) -> TrainResult:
             target.compile_pointwise()
     out_dir = Path(config.train.output_dir)
     cache = feature_cache(config, dataset, spec, ranks) if target is not None else None
+    with peer_losses_reported(ranks, topology, out_dir, lambda: None):
+        probe = held_out_probe(config, ranks, topology, target, tokenizer, dataset, thinking, pairs)
     if not topology.is_drafter(ranks.rank):
         served = TargetLog(out_dir, ranks.rank, config.train.log_every)
         with peer_losses_reported(ranks, topology, out_dir, lambda: served.last_step):
@@ -204,7 +206,7 @@ def train(config: RunConfig, ranks: RankInfo) -> TrainResult:
         with peer_losses_reported(ranks, topology, out_dir, lambda: None):
             client = DrafterClient(ranks.rank, topology.target_ranks, spec, dataset.lengths, pairs, topology.nodes)
         source = RemoteFeatures(client, device)
-    ctx = RankContext(config, ranks, topology, dcfg, tokenizer, dataset, target, data_group, self_group)
+    ctx = RankContext(config, ranks, topology, dcfg, tokenizer, dataset, target, data_group, self_group, probe)
     return train_drafter_rank(ctx, source)
 
 

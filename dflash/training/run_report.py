@@ -9,10 +9,17 @@ import json
 import logging
 import time
 
-from dflash.config import RUN_CONFIG_FILE
+import torch.distributed as dist
+
+from dflash.config import RUN_CONFIG_FILE, RunConfig
+from dflash.data.dataset import TokenDataset
 from dflash.drafter.flops import cost_shapes, measured_peak_tflops, micro_batch_flops
 from dflash.drafter.objective import LossOutput
-from dflash.eval.periodic import TauProbe, memorising
+from dflash.eval.periodic import ProbeSequences, TauProbe, memorising, probe_sequences
+from dflash.placement.distributed import RankInfo
+from dflash.placement.topology import Topology
+from dflash.placement.transport import PairGroups
+from dflash.target.frozen import FrozenTarget
 from dflash.training.drafter_setup import DrafterRun, RankContext
 from dflash.training.metrics import MetricsLogger, WindowMetrics, progress_line
 from dflash.training.profiling import StepProfiler
@@ -32,7 +39,7 @@ class RunReport:
         peak = measured_peak_tflops(device.index or 0) if device.type == "cuda" else None
         self.window = WindowMetrics(ctx.dcfg.block_size, peak)
         self.shapes = cost_shapes(ctx.dcfg, config.train.max_anchors, whole_target=config.train.kl_weight > 0)
-        self.probe = tau_probe(ctx) if run.is_main else None
+        self.probe = TauProbe(ctx.probe, run.step.embed_tokens, run.step.lm_head) if ctx.probe is not None else None
         settings = run_config(ctx)
         if run.is_main:
             write_text_durably(ctx.out_dir / RUN_CONFIG_FILE, json.dumps(settings, indent=2) + "\n")
@@ -101,16 +108,28 @@ class RunReport:
         self.metrics.close()
 
 
-def tau_probe(ctx: RankContext) -> TauProbe | None:
-    """The periodic exact-tau eval, where it can run: with the target on the rank (colocated)."""
-    t, data = ctx.config.train, ctx.config.data
+def held_out_probe(config: RunConfig, ranks: RankInfo, topology: Topology, target: FrozenTarget | None, tokenizer,
+                   dataset: TokenDataset, thinking: str, pairs: PairGroups | None) -> ProbeSequences | None:
+    """The periodic tau's sequences and the target's features of them, for drafter rank 0, which
+    measures it: computed there when it holds the target (colocated); in split mode computed by the
+    first target rank and sent once, at start, over the pair's gloo channel (before the transport's
+    first message, which both ranks then wait for). Called on every rank; None where not needed."""
+    t, data = config.train, config.data
     if t.eval_every == 0 or t.eval_prompts == 0 or data.eval_data is None:
         return None
-    if not ctx.topology.colocated:
-        logger.info("periodic eval needs the target on the drafter rank (colocated); the final eval reports tau")
+    measurer = topology.drafter_ranks[0]
+    source = measurer if topology.colocated else topology.target_ranks[0]
+    if ranks.rank not in (measurer, source):
         return None
-    return TauProbe(ctx.target, ctx.tokenizer, data.eval_data, t.eval_prompts, t.eval_max_new_tokens,
-                    ctx.config.model.block_size, ctx.dataset, thinking=ctx.dcfg.dflash_config["thinking"])
+    probe = None
+    if ranks.rank == source:
+        probe = probe_sequences(target, tokenizer, data.eval_data, t.eval_prompts, t.eval_max_new_tokens,
+                                config.model.block_size, dataset, thinking)
+    if source != measurer:
+        box = [probe]
+        dist.broadcast_object_list(box, src=source, group=pairs[(measurer, source)].control)
+        probe = box[0]
+    return probe if ranks.rank == measurer else None
 
 
 def run_config(ctx: RankContext) -> dict:

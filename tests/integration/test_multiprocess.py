@@ -23,20 +23,41 @@ def losses(out: Path) -> list[float]:
     return [r["loss"] for r in records]
 
 
+def periodic_evals(out: Path) -> dict[int, list[float]]:
+    """Step -> held-out tau, training-sample tau and held-out CE of each periodic eval."""
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["tau_step"]: [r["tau"], r["train_tau"], r["heldout_ce"]] for r in records if "tau_step" in r}
+
+
+def with_periodic_tau(setup: dict) -> list[str]:
+    """Flags after tiny_args' own (which turn evaluation off): the periodic tau every 2 steps on 2
+    held-out prompts, and the final eval on them."""
+    return ["--eval-data", str(setup["heldout"]), "--eval-prompts", "2", "--eval-every", "2",
+            "--eval-max-new-tokens", "8"]
+
+
 @pytest.fixture(scope="module")
-def single_process_losses(tiny_setup, tmp_path_factory) -> list[float]:
+def single_process_run(tiny_setup, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("colocated1")
-    proc = run_trainer(tiny_args(tiny_setup, out))
+    proc = run_trainer(tiny_args(tiny_setup, out, *with_periodic_tau(tiny_setup)))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return losses(out)
+    return out
 
 
-def test_split_one_plus_one_matches_colocated(tiny_setup, tmp_path, single_process_losses):
-    proc = run_trainer(tiny_args(tiny_setup, tmp_path, "--target-ranks", "1"), nproc=2)
+def test_split_one_plus_one_matches_colocated(tiny_setup, tmp_path, single_process_run):
+    proc = run_trainer(tiny_args(tiny_setup, tmp_path, "--target-ranks", "1", *with_periodic_tau(tiny_setup)), nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "split: target on ranks [1], drafter on ranks [0]" in proc.stderr
     # Same data, anchors, initial weights and fp32 math whichever rank ran the target.
-    assert losses(tmp_path) == pytest.approx(single_process_losses, rel=1e-5)
+    assert losses(tmp_path) == pytest.approx(losses(single_process_run), rel=1e-5)
+    # The periodic exact tau, from the sequences and features the target rank sent: as colocated
+    evals, colocated = periodic_evals(tmp_path), periodic_evals(single_process_run)
+    assert list(evals) == list(range(2, STEPS + 1, 2)) and list(colocated) == list(evals), (evals, colocated)
+    for step, measures in evals.items():
+        assert measures == pytest.approx(colocated[step], rel=1e-5), (step, evals, colocated)
+    assert len({measures[2] for measures in evals.values()}) == len(evals)  # the held-out CE moves as it trains
+    assert re.search(r"\[rank0\] INFO .*: step 2: tau \d\.\d\d \(exact, teacher-forced on \d held-out prompts",
+                     proc.stderr), proc.stderr[-3000:]
     # The target rank's own time split: a line per request served (requests run ahead of the
     # drafter's steps, so there may be more than the steps trained), a log line per --log-every.
     served = [json.loads(line) for line in (tmp_path / "target_metrics" / "rank1.jsonl").read_text().splitlines()]

@@ -101,7 +101,7 @@ def test_a_drafter_that_memorised_its_samples_is_told_apart(tmp_path):
     from dflash.drafter.step import DrafterStep, StepSettings
     from dflash.drafter.model import DFlashDrafter, drafter_config
     from dflash.drafter.objective import slot_weights
-    from dflash.eval.periodic import TauProbe, memorising
+    from dflash.eval.periodic import TauProbe, memorising, probe_sequences
     from dflash.target.frozen import (FrozenTarget, default_target_layer_ids, load_target_config,
                                       resolve_mask_token_id)
 
@@ -121,7 +121,8 @@ def test_a_drafter_that_memorised_its_samples_is_told_apart(tmp_path):
     for row, (ids, mask) in enumerate(samples):
         input_ids[row, :len(ids)], loss_mask[row, :len(ids)] = torch.from_numpy(ids), torch.from_numpy(mask)
     fit(step, input_ids, loss_mask, target.features(input_ids).features)
-    probe = TauProbe(target, tokenizer, str(DEMO_HELDOUT_DATA), 8, 48, 8, dataset)
+    probe = TauProbe(probe_sequences(target, tokenizer, str(DEMO_HELDOUT_DATA), 8, 48, 8, dataset),
+                     target.embed_tokens, target.lm_head)
     prompt_lengths = [int(mask.argmax()) for _, mask in samples]
     assert [(len(p), len(r)) for p, r, _ in probe.train_sequences] == [
         (first, min(int(mask[first:].cumprod().sum()), 48))  # the trained reply, cut as held out
