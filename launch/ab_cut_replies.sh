@@ -2,22 +2,24 @@
 # The measurement behind --cut-replies' default: the target answers LeetCode + ShareGPT prompts with
 # a length limit; one drafter trains on every reply, those cut at the limit kept as cut (no
 # end-of-turn token), and one drops the cut replies; both at the same step budget and recipe, then
-# both are evaluated on the same held-out ShareGPT prompts in bfloat16 against the fast greedy loop.
-#   bash launch/ab_cut_replies.sh                  # on a GPU host: about 25 minutes on an H200
+# both are evaluated on the same held-out ShareGPT prompts in bfloat16 against the fast greedy loop:
+# at 128 new tokens by the training run's own final eval (<run>/<variant>/eval.json), at the
+# lengths of EVAL_NEW by dflash.eval.
+#   bash launch/ab_cut_replies.sh
+# On one H200 with Qwen2.5-Coder-0.5B (BENCHMARKS.md): the GGUF's conversion 70 s, the regeneration
+# 70 s, each variant's 400 steps 5.5 min plus its set-up and evals.
 # Knobs (environment), besides PYTHON, MODEL and TARGET of launch/real.sh:
 #   RUN=runs/ab_cut    output: data/, keep/ and drop/ (runs), eval_<variant>_<tokens>.json
 #   SAMPLES=12000      prompts regenerated (LeetCode's 1,405 first, then ShareGPT)
 #   MAX_NEW=384        the reply length limit
 #   STEPS=400          optimizer steps per variant
 #   EVAL_PROMPTS=64    held-out prompts per eval
-#   EVAL_NEW="128 384" eval lengths (new tokens per prompt)
+#   EVAL_NEW=384       further eval lengths (new tokens per prompt; "" for none)
 #   VARIANTS="keep drop"
 #   EXTRA_TRAIN_FLAGS  more train_drafter.py flags for both variants
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-bash launch/setup.sh
-source launch/python.sh
 RUN=${RUN:-runs/ab_cut}
 DATA=$RUN/data
 LEETCODE=1
@@ -35,9 +37,9 @@ for variant in ${VARIANTS:-keep drop}; do
   "$PY" train_drafter.py --target "$TARGET" --train-data "$DATA/regen.jsonl" --eval-data "$DATA/heldout.jsonl" \
     --output-dir "$RUN/$variant" --overwrite --max-length 2048 --epochs 1000 --max-steps "${STEPS:-400}" \
     --max-tokens 32768 --cut-replies "$variant" --eval-every "${STEPS:-400}" --eval-dtype bfloat16 \
-    --eval-max-new-tokens 128 --report-to none \
+    --eval-prompts "${EVAL_PROMPTS:-64}" --eval-max-new-tokens 128 --report-to none \
     ${MASK_ID:+--mask-token-id "$MASK_ID"} ${EXTRA_TRAIN_FLAGS:-}
-  for new in ${EVAL_NEW:-128 384}; do
+  for new in ${EVAL_NEW-384}; do
     "$PY" -m dflash.eval --target "$TARGET" --drafter "$RUN/$variant/drafter" --prompts "$DATA/heldout.jsonl" \
       --num-prompts "${EVAL_PROMPTS:-64}" --max-new-tokens "$new" --dtype bfloat16 --output "$RUN/eval_${variant}_$new.json"
   done
@@ -48,8 +50,10 @@ import json, pathlib, sys
 run = pathlib.Path(sys.argv[1])
 print("RESULT cut-replies A/B (held-out ShareGPT, bfloat16, speed-up against the fast greedy loop)")
 for variant in sys.argv[2:]:
+    reports = [("128", json.load(open(run / variant / "eval.json"))["trained"])]
     for path in sorted(run.glob(f"eval_{variant}_*.json"), key=lambda p: int(p.stem.split("_")[-1])):
-        r = json.load(open(path))["drafter"]
-        print(f"  {variant:5s} {path.stem.split('_')[-1]:>4s} tokens, {r['prompts']} prompts: tau {r['tau']:.2f}, "
+        reports.append((path.stem.split("_")[-1], json.load(open(path))["drafter"]))
+    for tokens, r in reports:
+        print(f"  {variant:5s} {tokens:>4s} tokens, {r['prompts']} prompts: tau {r['tau']:.2f}, "
               f"speedup {r['speedup']:.2f}x, acceptance 1..4 {' '.join(f'{a:.2f}' for a in r['acceptance'][:4])}")
 EOF

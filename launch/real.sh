@@ -32,8 +32,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-bash launch/setup.sh
-source launch/python.sh
 RUN=${RUN:-runs/real}
 DATA=$RUN/data
 source launch/real_inputs.sh

