@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The measurement behind --cut-replies' default: the target answers LeetCode + ShareGPT prompts with
 # a length limit; one drafter trains on every reply, those cut at the limit kept as cut (no
-# end-of-turn token), and one drops the cut replies; both at the same step budget and recipe, then
-# both are evaluated on the same held-out ShareGPT prompts in bfloat16 against the fast greedy loop:
+# end-of-turn token: `keep`), one drops the cut replies (`drop`), and one trains on the replies'
+# text alone, as a file without regeneration's target_reply record is trained (`closed`: every
+# reply re-tokenized and closed by the template's end-of-turn token, cut or not); all at the same
+# step budget and recipe, then evaluated on the same held-out ShareGPT prompts in bfloat16 against
+# the fast greedy loop:
 # at 128 new tokens by the training run's own final eval (<run>/<variant>/eval.json), at the
 # lengths of EVAL_NEW by dflash.eval.
 #   bash launch/ab_cut_replies.sh
@@ -15,7 +18,7 @@
 #   STEPS=400          optimizer steps per variant
 #   EVAL_PROMPTS=64    held-out prompts per eval
 #   EVAL_NEW=384       further eval lengths (new tokens per prompt; "" for none)
-#   VARIANTS="keep drop"
+#   VARIANTS="keep drop closed"
 #   EXTRA_TRAIN_FLAGS  more train_drafter.py flags for both variants
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,11 +35,21 @@ else
     --max-new-tokens "${MAX_NEW:-384}" --limit "${SAMPLES:-12000}"
 fi
 
-for variant in ${VARIANTS:-keep drop}; do
+if [[ " ${VARIANTS:-keep drop closed} " == *" closed "* && ! -f "$DATA/regen_closed.jsonl" ]]; then
+  "$PY" -c 'import json, sys
+for line in sys.stdin:
+    record = json.loads(line)
+    record.pop("target_reply", None)
+    print(json.dumps(record, ensure_ascii=False))' < "$DATA/regen.jsonl" > "$DATA/regen_closed.jsonl"
+fi
+
+for variant in ${VARIANTS:-keep drop closed}; do
+  data=$DATA/regen.jsonl policy=$variant
+  [ "$variant" != closed ] || { data=$DATA/regen_closed.jsonl; policy=keep; }
   # shellcheck disable=SC2086  # EXTRA_TRAIN_FLAGS is a list of flags
-  "$PY" train_drafter.py --target "$TARGET" --train-data "$DATA/regen.jsonl" --eval-data "$DATA/heldout.jsonl" \
+  "$PY" train_drafter.py --target "$TARGET" --train-data "$data" --eval-data "$DATA/heldout.jsonl" \
     --output-dir "$RUN/$variant" --overwrite --max-length 2048 --epochs 1000 --max-steps "${STEPS:-400}" \
-    --max-tokens 32768 --cut-replies "$variant" --eval-every "${STEPS:-400}" --eval-dtype bfloat16 \
+    --max-tokens 32768 --cut-replies "$policy" --eval-every "${STEPS:-400}" --eval-dtype bfloat16 \
     --eval-prompts "${EVAL_PROMPTS:-64}" --eval-max-new-tokens 128 --report-to none \
     ${MASK_ID:+--mask-token-id "$MASK_ID"} ${EXTRA_TRAIN_FLAGS:-}
   for new in ${EVAL_NEW-384}; do
@@ -45,7 +58,7 @@ for variant in ${VARIANTS:-keep drop}; do
   done
 done
 
-"$PY" - "$RUN" ${VARIANTS:-keep drop} <<'EOF'
+"$PY" - "$RUN" ${VARIANTS:-keep drop closed} <<'EOF'
 import json, pathlib, sys
 run = pathlib.Path(sys.argv[1])
 print("RESULT cut-replies A/B (held-out ShareGPT, bfloat16, speed-up against the fast greedy loop)")

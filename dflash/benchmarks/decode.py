@@ -54,6 +54,8 @@ class DecodeBenchmarkArgs:
         "help": "the untrained drafter's depth (its cost is the point)"})
     compile_drafter: bool = field(default=True, metadata={
         "help": "compile the drafter's steps on the fast path (as decoding does); False times them eager"})
+    compile_target: bool = field(default=True, metadata={
+        "help": "compile the target's layers in the fast path's graphed steps (as decoding does); False: eager"})
     dtype: str = "bfloat16"
     device: str = "auto"
     output: str | None = None
@@ -153,10 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     capacity = max(map(len, prompts)) + args.max_new_tokens + args.block_size
     report = {"target": args.target, "dtype": args.dtype, "device": torch.cuda.get_device_name(device)
               if device.type == "cuda" else "cpu", "max_new_tokens": args.max_new_tokens,
-              "draft_layers": args.draft_layers, "compile_drafter": args.compile_drafter}
+              "draft_layers": args.draft_layers, "compile_drafter": args.compile_drafter,
+              "compile_target": args.compile_target}
     tokens = {}
     for kind, count in (("plain", args.plain_prompts), ("fast", args.num_prompts)):
-        decoder = Decoder(target, drafter.eval(), capacity, kind, args.compile_drafter)
+        decoder = Decoder(target, drafter.eval(), capacity, kind, args.compile_drafter, args.compile_target)
         fast = kind == "fast"
         report[f"{kind}_greedy"], tokens[kind] = timed(decoder, prompts[:count], args.max_new_tokens, eos, False, fast)
         report[f"{kind}_speculative"], _ = timed(decoder, prompts[:count], args.max_new_tokens, eos, True, fast)

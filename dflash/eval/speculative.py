@@ -202,11 +202,12 @@ class Decoder:
     caches and CUDA graphs are made once, for sequences of up to `capacity` positions."""
 
     def __init__(self, target: FrozenTarget, drafter: DFlashDrafter | None, capacity: int, kind: str = "plain",
-                 compile_drafter: bool = True):
+                 compile_drafter: bool = True, compile_target: bool = True):
         self.target, self.drafter, self.capacity = target, drafter, capacity
         fast = resolve_decoder(kind, target) == "fast"
         # a StaticTarget at batch 1 needs no reset: a new prompt overwrites its cache
-        self.session = StaticTarget(target, 1, capacity) if fast else PlainTargetSession(target)
+        self.session = StaticTarget(target, 1, capacity, compiled=compile_target) if fast \
+            else PlainTargetSession(target)
         self.draft = DraftSession(target, drafter, capacity, graphed=fast, compiled=compile_drafter) \
             if drafter is not None else None
         self.acceptance = HostCopy(target.device)

@@ -76,7 +76,7 @@ class StaticTarget:
     always starts at its column 0, so column = position and nothing is padded."""
 
     def __init__(self, target: FrozenTarget, batch: int, capacity: int, cuda_graphs: bool = True,
-                 sampling: Sampling | None = None):
+                 sampling: Sampling | None = None, compiled: bool = True):
         model = target.model
         config = model.config
         family = getattr(config, "model_type", type(model).__name__)
@@ -102,6 +102,7 @@ class StaticTarget:
         self._inputs: dict[int, torch.Tensor] = {}
         self._row_columns = torch.zeros(batch, dtype=torch.long, device=device)  # step_rows' input buffer
         self.graphs = GraphReplays(device, cuda_graphs)
+        self.compiled = compiled and self.graphs.enabled  # the graphed steps run compiled_layer_parts
         self.qkv = [fused_rows(layer.self_attn, "dflash_qkv", [layer.self_attn.q_proj, layer.self_attn.k_proj,
                                                                layer.self_attn.v_proj]) for layer in target.layers]
         self.gate_up = [fused_rows(layer.mlp, "dflash_gate_up", [layer.mlp.gate_proj, layer.mlp.up_proj])
@@ -141,7 +142,7 @@ class StaticTarget:
         buffer = self._inputs[ids.shape[1]]
         buffer.copy_(ids)
         return self.graphs((ids.shape[1], span), lambda: self._forward(
-            buffer, self._shared_columns(buffer.shape), span, features=True))
+            buffer, self._shared_columns(buffer.shape), span, features=True, compiled=self.compiled))
 
     def extend_rows(self, ids: torch.Tensor, rows: torch.Tensor, start: int, last: torch.Tensor) -> torch.Tensor:
         """Tokens [k, T] at columns start.. of the cache rows `rows` [k], eagerly (a prompt, or a
@@ -166,7 +167,8 @@ class StaticTarget:
         buffer = self._inputs.setdefault(-1, torch.zeros_like(ids))
         buffer.copy_(ids)
         self._row_columns.copy_(columns)
-        return self.graphs(("rows", span), lambda: self._forward(buffer, self._row_columns[:, None], span)[0])
+        return self.graphs(("rows", span), lambda: self._forward(buffer, self._row_columns[:, None], span,
+                                                                  compiled=self.compiled)[0])
 
     def _at(self, start: int, ids: torch.Tensor) -> None:
         if start + ids.shape[1] > self.capacity:
@@ -195,10 +197,11 @@ class StaticTarget:
         return [masks[window] for window in self.windows]
 
     def _forward(self, ids: torch.Tensor, columns: torch.Tensor, span: int | None, rows: torch.Tensor | None = None,
-                 last: torch.Tensor | None = None, features: bool = False):
+                 last: torch.Tensor | None = None, features: bool = False, compiled: bool = False):
         """Tokens ids [b, T] at cache columns [b, T] of the cache rows `rows` (None: all, in
         order), attending over cache columns :span (None: only over themselves) -> (choice after
-        each position, or after position `last` [b] of each row; features [b, T, K*D] or None)."""
+        each position, or after position `last` [b] of each row; features [b, T, K*D] or None).
+        `compiled`: the layers run compiled_layer_parts (the graphed steps)."""
         target = self.target
         x = target.embed_tokens(ids)
         cos, sin = target.decoder.rotary_emb(x, columns)  # a row's column is its position
@@ -206,13 +209,13 @@ class StaticTarget:
         cos, sin = cos[:, None], torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)[:, None]
         keys = columns if span is None else self.columns[None, :span]
         masks = self._masks(columns, keys, x.dtype, target.model.config.num_attention_heads // self.keys.shape[2])
+        project, finish = compiled_layer_parts() if compiled else (project_qkv, finish_layer)
+        hkv = self.keys.shape[2]
         captured = {}
         for index, layer in enumerate(target.layers):
-            h = self._attention(index, layer.self_attn, rms_norm(layer.input_layernorm, x), cos, sin, columns,
-                                span, rows, masks[index])
-            x = x + h
-            gate, up = F.linear(rms_norm(layer.post_attention_layernorm, x), *self.gate_up[index]).chunk(2, dim=-1)
-            x = x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+            q, k, v = project(layer, self.qkv[index], x, cos, sin, hkv)
+            keys, values = self._cached(index, k, v, columns, span, rows)
+            x = finish(layer, self.gate_up[index], x, q, keys, values, masks[index], hkv)
             if features and index in self.feature_layers:
                 captured[index] = x
         if last is not None:  # a prefill's logits for every position would be [b, P, vocab]
@@ -221,36 +224,68 @@ class StaticTarget:
         choice = logits.argmax(-1) if self.sampling is None else self.sampling.choose(logits)
         return choice, torch.cat([captured[i] for i in target.layer_ids], dim=-1) if features else None
 
-    def _attention(self, index, attention, x, cos, sin, columns, span, rows, mask):
-        b, t, _ = x.shape
-        d = attention.head_dim
-        hkv = self.keys.shape[2]
-        qkv = F.linear(x, *self.qkv[index]).view(b, t, -1, d)  # [b, T, Hq + 2 Hkv, d]
-        heads = qkv.shape[2] - 2 * hkv
-        if hasattr(attention, "q_norm"):  # Qwen3: RMSNorm per head before RoPE
-            qk = torch.cat([rms_norm(attention.q_norm, qkv[:, :, :heads]),
-                            rms_norm(attention.k_norm, qkv[:, :, heads:heads + hkv])], dim=2)
-        else:
-            qk = qkv[:, :, :heads + hkv]
-        qk = rotate(qk.transpose(1, 2), cos, sin)  # [b, Hq + Hkv, T, d]
-        q, k = qk[:, :heads], qk[:, heads:]
-        v = qkv[:, :, heads + hkv:].transpose(1, 2)
+    def _cached(self, index, k, v, columns, span, rows):
+        """Write the new keys/values k, v [b, Hkv, T, d] at their columns of layer `index`'s
+        cache (rows `rows`, None: all) -> the keys and values the queries attend over."""
+        b, hkv, t, d = k.shape
         cache_keys, cache_values = self.keys[index], self.values[index]
         if rows is None:  # every row, in place: one scatter each
             at = columns[:, None, :, None].expand(b, hkv, t, d)
             cache_keys.scatter_(2, at, k)
             cache_values.scatter_(2, at, v)
         else:
-            at = (rows[:, None, None], torch.arange(hkv, device=x.device)[None, :, None], columns[:, None, :])
+            at = (rows[:, None, None], torch.arange(hkv, device=k.device)[None, :, None], columns[:, None, :])
             cache_keys.index_put_(at, k)
             cache_values.index_put_(at, v)
         if span is None:  # a fresh prompt sees only itself
-            keys, values = k, v
-        elif rows is None:
-            keys, values = cache_keys[:, :, :span], cache_values[:, :, :span]
-        else:
-            keys, values = cache_keys[rows, :, :span], cache_values[rows, :, :span]
-        # GQA without copying the cache: the query heads sharing a key/value head become rows of it
-        rows_q = q.reshape(b, hkv, heads // hkv * t, d)  # query head h = g * rep + r serves head g
-        out = attend(rows_q, keys, values, mask, attention.scaling)
-        return attention.o_proj(out.reshape(b, heads, t, d).transpose(1, 2).reshape(b, t, -1))
+            return k, v
+        if rows is None:
+            return cache_keys[:, :, :span], cache_values[:, :, :span]
+        return cache_keys[rows, :, :span], cache_values[rows, :, :span]
+
+
+def project_qkv(layer, qkv: tuple, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hkv: int):
+    """A decoder layer up to its attention: x [b, T, D] -> q [b, Hq, T, d], k and v [b, Hkv, T, d],
+    RoPE applied (and Qwen3's per-head norms before it). `qkv`: the layer's stacked projection."""
+    attention = layer.self_attn
+    b, t, _ = x.shape
+    d = attention.head_dim
+    projected = F.linear(rms_norm(layer.input_layernorm, x), *qkv).view(b, t, -1, d)  # [b, T, Hq + 2 Hkv, d]
+    heads = projected.shape[2] - 2 * hkv
+    if hasattr(attention, "q_norm"):  # Qwen3: RMSNorm per head before RoPE
+        qk = torch.cat([rms_norm(attention.q_norm, projected[:, :, :heads]),
+                        rms_norm(attention.k_norm, projected[:, :, heads:heads + hkv])], dim=2)
+    else:
+        qk = projected[:, :, :heads + hkv]
+    qk = rotate(qk.transpose(1, 2), cos, sin)  # [b, Hq + Hkv, T, d]
+    return qk[:, :heads], qk[:, heads:], projected[:, :, heads + hkv:].transpose(1, 2)
+
+
+def finish_layer(layer, gate_up: tuple, x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 mask: torch.Tensor, hkv: int) -> torch.Tensor:
+    """The rest of the decoder layer: attention of q over keys/values, its output projection and
+    the MLP, each added to the residual x [b, T, D]. `gate_up`: the layer's stacked projection."""
+    attention = layer.self_attn
+    b, heads, t, d = q.shape
+    # GQA without copying the cache: the query heads sharing a key/value head become rows of it
+    rows_q = q.reshape(b, hkv, heads // hkv * t, d)  # query head h = g * rep + r serves head g
+    out = attend(rows_q, keys, values, mask, attention.scaling)
+    x = x + attention.o_proj(out.reshape(b, heads, t, d).transpose(1, 2).reshape(b, t, -1))
+    gate, up = F.linear(rms_norm(layer.post_attention_layernorm, x), *gate_up).chunk(2, dim=-1)
+    return x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+
+
+_compiled_parts = None
+
+
+def compiled_layer_parts():
+    """project_qkv and finish_layer compiled, once per process, for the steps replayed as CUDA
+    graphs: compiled, a layer's elementwise work (norms, RoPE, residuals, the MLP's gate) fuses
+    into few kernels, and a graphed step is bound by its kernel count. The cache write stays
+    outside: a compiled region that mutates a view of the cache may copy the whole buffer back.
+    One compilation serves every layer (their modules' weights are its inputs) and, after the
+    first change of shape, every span and batch (dynamic shapes)."""
+    global _compiled_parts
+    if _compiled_parts is None:
+        _compiled_parts = (torch.compile(project_qkv), torch.compile(finish_layer))
+    return _compiled_parts
