@@ -34,8 +34,9 @@ logger = logging.getLogger(__name__)
 
 
 @torch.no_grad()
-def time_steps(target: FrozenTarget, rows: int, capacity: int, prompt: int, steps: int, profile: bool) -> dict:
-    static = StaticTarget(target, rows, capacity)
+def time_steps(target: FrozenTarget, rows: int, capacity: int, prompt: int, steps: int, profile: bool,
+               compiled: bool = True) -> dict:
+    static = StaticTarget(target, rows, capacity, compiled=compiled)
     vocab = target.embed_tokens.weight.shape[0]
     ids = torch.randint(0, vocab, (rows, prompt), generator=torch.Generator().manual_seed(0)).to(target.device)
     choice = static.extend_rows(ids, torch.arange(rows, device=target.device), 0,
@@ -77,13 +78,14 @@ def time_steps(target: FrozenTarget, rows: int, capacity: int, prompt: int, step
 
 @torch.no_grad()
 def time_engine(target: FrozenTarget, prompts: dict[int, list[int]], max_new_tokens: int, stop_ids: set[int],
-                batch_tokens: int) -> dict:
+                batch_tokens: int, compiled: bool = True) -> dict:
     """The engine over these prompts, from the first prefill to the last reply."""
     captures, capture_seconds = GraphReplays.captures, GraphReplays.capture_seconds
     synchronize(target.device)
     start = time.perf_counter()
     new_tokens, stopped = 0, 0
-    for _, replies in generate_batches(target, prompts, max_new_tokens, stop_ids, batch_tokens):
+    for _, replies in generate_batches(target, prompts, max_new_tokens, stop_ids, batch_tokens,
+                                                compiled=compiled):
         new_tokens += sum(len(tokens) for tokens, _ in replies)
         stopped += sum(finish == "stop" for _, finish in replies)
     synchronize(target.device)
@@ -118,6 +120,8 @@ class RegenStepArgs:
                         metadata={"help": "rows x capacity x prompt, comma-separated"})
     steps: int = 50
     profile: bool = field(default=False, metadata={"help": "also list the kernels that take the step's time"})
+    compile_target: bool = field(default=True, metadata={
+        "help": "the graphed steps run the target's layers compiled (as regeneration does); False: eager"})
     dtype: str = "bfloat16"
     device: str = "auto"
     output: str | None = field(default=None, metadata={"help": "also write the results as JSON here"})
@@ -134,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         conversations = load_chat_jsonl(args.prompts, require_reply=False)[: args.limit or None]
         prompts = {i: prompt_ids(tokenizer, messages) for i, messages in enumerate(conversations)}
         result = time_engine(target, prompts, args.max_new_tokens, stop_token_ids(target.model.generation_config, tokenizer),
-                             args.batch_tokens)
+                             args.batch_tokens, args.compile_target)
         logger.info("%d prompts (%d tokens): %d new tokens in %.1f s, %d new tokens/s, %.1f conversations/s "
                     "(%d CUDA graph captures, %.1f s)", result["prompts"], result["prompt_tokens"],
                     result["new_tokens"], result["seconds"], result["new_tokens_per_second"],
@@ -142,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         results.append(result)
     else:
         for rows, capacity, prompt in parse_shapes(args.shapes):
-            result = time_steps(target, rows, capacity, prompt, args.steps, args.profile)
+            result = time_steps(target, rows, capacity, prompt, args.steps, args.profile,
+                                args.compile_target)
             logger.info("rows %d x %d columns, prompt %d: %.2f ms per step, %d row-steps/s", rows, result["capacity"],
                         prompt, result["ms_per_step"], result["row_steps_per_second"])
             if "profile" in result:
