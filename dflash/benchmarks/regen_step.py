@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 @torch.no_grad()
 def time_steps(target: FrozenTarget, rows: int, capacity: int, prompt: int, steps: int, profile: bool,
-               compiled: bool = True) -> dict:
+               compiled: bool = False) -> dict:
     static = StaticTarget(target, rows, capacity, compiled=compiled)
     vocab = target.embed_tokens.weight.shape[0]
     ids = torch.randint(0, vocab, (rows, prompt), generator=torch.Generator().manual_seed(0)).to(target.device)
@@ -78,7 +78,7 @@ def time_steps(target: FrozenTarget, rows: int, capacity: int, prompt: int, step
 
 @torch.no_grad()
 def time_engine(target: FrozenTarget, prompts: dict[int, list[int]], max_new_tokens: int, stop_ids: set[int],
-                batch_tokens: int, compiled: bool = True) -> dict:
+                batch_tokens: int, compiled: bool = False) -> dict:
     """The engine over these prompts, from the first prefill to the last reply."""
     captures, capture_seconds = GraphReplays.captures, GraphReplays.capture_seconds
     synchronize(target.device)
@@ -120,8 +120,9 @@ class RegenStepArgs:
                         metadata={"help": "rows x capacity x prompt, comma-separated"})
     steps: int = 50
     profile: bool = field(default=False, metadata={"help": "also list the kernels that take the step's time"})
-    compile_target: bool = field(default=True, metadata={
-        "help": "the graphed steps run the target's layers compiled (as regeneration does); False: eager"})
+    compile_target: bool = field(default=False, metadata={
+        "help": "the graphed steps run the target's layers compiled (as batch-1 decoding does); "
+                "regeneration runs them eager"})
     dtype: str = "bfloat16"
     device: str = "auto"
     output: str | None = field(default=None, metadata={"help": "also write the results as JSON here"})

@@ -92,12 +92,14 @@ def prefill_chunks(lengths: list[int], max_tokens: int, max_rows: int) -> list[t
 
 
 def generate_batches(target: FrozenTarget, prompts: dict[int, list[int]], max_new_tokens: int, stop_ids: set[int],
-                     batch_tokens: int = 0, sampling: Sampling | None = None, compiled: bool = True,
+                     batch_tokens: int = 0, sampling: Sampling | None = None, compiled: bool = False,
                      ) -> Iterator[tuple[list[int], list[Reply]]]:
     """Yields (indices, replies) as replies end, every STOP_CHECK_EVERY steps: a reply is the
     target's new token ids, up to and including the first stop token ("stop"), or its first
     max_new_tokens ("length"). `batch_tokens` (rows x cache columns), when set, caps the rows
-    the free memory allows. `compiled`: the decode steps run the target's layers compiled (StaticTarget)."""
+    the free memory allows. `compiled`: the decode steps run the target's layers compiled (StaticTarget);
+    off by default, as each new batch shape compiles and captures again, which costs more than the
+    fused step saves (BENCHMARKS.md "Qwen2.5-Coder-0.5B")."""
     shapes = TargetShapes.of(target.model.config, target.embed_tokens.weight.dtype)
     free = free_device_bytes(target.device)  # before any cache: each one replaces the last
     plans: dict[int, BatchPlan] = {}
@@ -125,7 +127,7 @@ class ContinuousBatch:
     token goes to, its reply so far (on the device, read back only when it has ended)."""
 
     def __init__(self, target: FrozenTarget, rows: int, capacity: int, plan: BatchPlan, max_new_tokens: int,
-                 stop_ids: set[int], sampling: Sampling | None, compiled: bool = True):
+                 stop_ids: set[int], sampling: Sampling | None, compiled: bool = False):
         self.static = StaticTarget(target, rows, capacity, sampling=sampling, compiled=compiled)
         self.plan, self.max_new_tokens, self.stop_ids = plan, max_new_tokens, stop_ids
         device = target.device

@@ -76,7 +76,7 @@ class StaticTarget:
     always starts at its column 0, so column = position and nothing is padded."""
 
     def __init__(self, target: FrozenTarget, batch: int, capacity: int, cuda_graphs: bool = True,
-                 sampling: Sampling | None = None, compiled: bool = True):
+                 sampling: Sampling | None = None, compiled: bool = False):
         model = target.model
         config = model.config
         family = getattr(config, "model_type", type(model).__name__)
@@ -283,8 +283,8 @@ def compiled_layer_parts():
     graphs: compiled, a layer's elementwise work (norms, RoPE, residuals, the MLP's gate) fuses
     into few kernels, and a graphed step is bound by its kernel count. The cache write stays
     outside: a compiled region that mutates a view of the cache may copy the whole buffer back.
-    One compilation serves every layer (their modules' weights are its inputs) and, after the
-    first change of shape, every span and batch (dynamic shapes)."""
+    One compilation serves every layer (their modules' weights are its inputs). Batch-1 decoding
+    uses them; regeneration does not, since its batches change shape and each shape compiles again."""
     global _compiled_parts
     if _compiled_parts is None:
         _compiled_parts = (torch.compile(project_qkv), torch.compile(finish_layer))
