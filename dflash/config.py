@@ -57,7 +57,7 @@ class DataArgs:
     overflow: str = field(default="truncate", metadata={"help": "longer sequences: truncate | drop"})
     loss_turns: str = field(default="last", metadata={"help": "assistant turns in the loss: last (the reply the target regenerated; earlier replies of a multi-turn prompt are the dataset's) | all (each rendered as serving renders it)"})
     thinking: str = field(default="auto", metadata={"help": THINKING_HELP})
-    cut_replies: str = field(default=DEFAULT_CUT_REPLIES, metadata={"help": "replies the regeneration cut at its length limit (target_reply.finish_reason length): keep (trained as cut, never closed by an end-of-turn token) | drop (counted in the shard's manifest)"})
+    cut_replies: str = field(default=DEFAULT_CUT_REPLIES, metadata={"help": "replies the regeneration cut at its length limit (target_reply.finish_reason length): drop (default: left out, counted in the shard's manifest) | keep (trained as cut, never closed by an end-of-turn token)"})
     on_bad_sample: str = field(default="skip", metadata={"help": "skip (counted, listed in <output-dir>/data/train/bad_samples.txt) | error"})
     max_bad_fraction: float = field(default=0.01, metadata={"help": "with skip: more bad samples than this fraction stops the run"})
     bucket_boundaries: list[int] = field(default_factory=lambda: list(DEFAULT_BUCKETS))

@@ -9,8 +9,9 @@
 # at 128 new tokens by the training run's own final eval (<run>/<variant>/eval.json), at the
 # lengths of EVAL_NEW by dflash.eval.
 #   bash launch/ab_cut_replies.sh
-# On one H200 with Qwen2.5-Coder-0.5B (BENCHMARKS.md): the GGUF's conversion 70 s, the regeneration
-# 70 s, each variant's 400 steps 5.5 min plus its set-up and evals.
+# On one H200 with Qwen2.5-Coder-0.5B, SAMPLES=9000 STEPS=300 (BENCHMARKS.md): the GGUF's conversion
+# 52 s, the regeneration 70 s, each variant about 8 min (its 300 steps 3.5-4.5 min, the rest set-up
+# and evals).
 # Knobs (environment), besides PYTHON, MODEL and TARGET of launch/real.sh:
 #   RUN=runs/ab_cut    output: data/, keep/ and drop/ (runs), eval_<variant>_<tokens>.json
 #   SAMPLES=12000      prompts regenerated (LeetCode's 1,405 first, then ShareGPT)

@@ -97,7 +97,8 @@ def test_an_interrupted_run_resumes_and_the_output_trains(tmp_path, capfd):
     assert [r["messages"][-1]["content"] for r in records[:10]] == [f"kept {i}" for i in range(10)]
     assert [r["target_reply"] for r in records[:10]] == kept
     assert not partial.exists()
-    shard = prepare_dataset(tmp_path / "regen.jsonl", load_tokenizer(str(DEMO_TARGET_DIR)), tmp_path / "shard", 512)
+    shard = prepare_dataset(tmp_path / "regen.jsonl", load_tokenizer(str(DEMO_TARGET_DIR)), tmp_path / "shard", 512,
+                            cut_replies="keep")  # every record trains, the demo's replies cut at the limit too
     assert len(TokenDataset(shard)) == 24
 
 

@@ -1,6 +1,6 @@
 """Faithful replies: a record's target_reply (what regeneration recorded) decides what trains. The
 emitted token ids follow the prompt's ids as they are, a reply cut at the length limit is never
-closed with an end-of-turn token, --cut-replies drop leaves such replies out and counts them."""
+closed with an end-of-turn token, --cut-replies drop (the default) leaves such replies out and counts them."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def test_a_cut_reply_is_never_closed_with_an_end_of_turn_token(tokenizer, tmp_pa
     with <|im_end|>, and the drafter learnt to end turns where the target does not."""
     text = "The mat is where the cat sat on"
     ids_field = {"token_ids": tokenizer(text, add_special_tokens=False)["input_ids"]} if with_ids else {}
-    ids, mask = prepare(tokenizer, tmp_path, [record(text, finish_reason="length", **ids_field)])[0]
+    ids, mask = prepare(tokenizer, tmp_path, [record(text, finish_reason="length", **ids_field)], cut_replies="keep")[0]
     prompt = prompt_ids(tokenizer, PROMPT)
     end = tokenizer.convert_tokens_to_ids(IM_END)
     assert ids[: len(prompt)].tolist() == prompt and not mask[: len(prompt)].any()
@@ -70,9 +70,9 @@ def test_a_cut_reply_is_never_closed_with_an_end_of_turn_token(tokenizer, tmp_pa
 def test_cut_replies_drop_leaves_them_out_counted_and_the_setting_keys_the_cache(tokenizer, tmp_path):
     records = [record("The cat sat.", finish_reason="stop"), record("The cat sat on", finish_reason="length"),
                record("Hello")]
-    kept = prepare(tokenizer, tmp_path, records)
+    kept = prepare(tokenizer, tmp_path, records, cut_replies="keep")
     assert len(kept) == 3 and kept.manifest["stats"]["samples_cut"] == 1 and kept.manifest["cut_replies"] == "keep"
-    dropped = prepare(tokenizer, tmp_path, records, cut_replies="drop")
+    dropped = prepare(tokenizer, tmp_path, records)  # the default
     stats = dropped.manifest["stats"]
     assert len(dropped) == 2 and dropped.manifest["cut_replies"] == "drop"
     assert (stats["samples_cut"], stats["samples_cut_dropped"], stats["samples_bad"]) == (1, 1, 0)
