@@ -127,7 +127,7 @@ class ContinuousBatch:
     token goes to, its reply so far (on the device, read back only when it has ended)."""
 
     def __init__(self, target: FrozenTarget, rows: int, capacity: int, plan: BatchPlan, max_new_tokens: int,
-                 stop_ids: set[int], sampling: Sampling | None, compiled: bool = False):
+                 stop_ids: set[int], sampling: Sampling | None, compiled: bool):
         self.static = StaticTarget(target, rows, capacity, sampling=sampling, compiled=compiled)
         self.plan, self.max_new_tokens, self.stop_ids = plan, max_new_tokens, stop_ids
         device = target.device
