@@ -112,8 +112,9 @@ class TrainArgs:
     wandb_mode: str = field(default="offline", metadata={"help": "offline (no account needed) | online | disabled"})
     eval_prompts: int = field(default=16, metadata={"help": "held-out prompts decoded at the end (0: skip)"})
     eval_max_new_tokens: int = 96
-    eval_every: int = field(default=200, metadata={"help": "exact teacher-forced tau on the held-out prompts every N optimizer steps (colocated; 0: off)"})
-    eval_dtype: str = field(default="float32", metadata={"help": "float32 (exact lossless check) | bfloat16"})
+    eval_every: int = field(default=200, metadata={"help": "exact teacher-forced tau on the held-out prompts every N optimizer steps (0: off)"})
+    eval_dtype: str = field(default="auto", metadata={"help": "the final eval's: auto (bfloat16 on a GPU, as served; float32 on the CPU) | float32 (the exact lossless check on every prompt) | bfloat16"})
+    eval_lossless_prompts: int = field(default=4, metadata={"help": "when the final eval is not float32, the trained drafter also decodes this many of its prompts in float32, where speculative decoding must equal greedy exactly (0: skip)"})
 
 
 RECIPE = {"num_draft_layers": 5, "num_target_features": 5, "block_size": 16, "epochs": 6, "max_anchors": 512,
@@ -267,7 +268,7 @@ def check_eval_flags(prompts: str | None, num_prompts: int, max_new_tokens: int,
     a day of training costs the day's evaluation)."""
     _require(num_prompts >= min_prompts, f"{names['num']} {num_prompts}: use at least {min_prompts}")
     _require(max_new_tokens >= 1, f"{names['tokens']} {max_new_tokens}: use at least 1")
-    _require(dtype in ("float32", "bfloat16"), f"{names['dtype']} {dtype}: use float32 or bfloat16")
+    _require(dtype in ("auto", "float32", "bfloat16"), f"{names['dtype']} {dtype}: use auto, float32 or bfloat16")
     if prompts is not None and num_prompts > 0:
         _require(Path(prompts).is_file(), f"{names['prompts']} {prompts}: no such file; pass a chat JSONL file")
         load_chat_jsonl(prompts, require_reply=False)
@@ -341,6 +342,7 @@ def _validate_inputs_and_shapes(config: RunConfig) -> None:
     _require(is_model_path(m.tokenizer), f"--tokenizer {m.tokenizer}: no such folder or .gguf file")
     _require(Path(d.train_data).is_file(), f"--train-data {d.train_data}: no such file; pass a chat JSONL file")
     check_eval_flags(d.eval_data, t.eval_prompts, t.eval_max_new_tokens, t.eval_dtype, TRAIN_EVAL_FLAGS, min_prompts=0)
+    _require(t.eval_lossless_prompts >= 0, f"--eval-lossless-prompts {t.eval_lossless_prompts}: use 0 (skip) or more")
     _require(d.overflow in ("truncate", "drop"), f"--overflow {d.overflow}: use truncate or drop")
     _require(d.on_bad_sample in ("skip", "error"), f"--on-bad-sample {d.on_bad_sample}: use skip or error")
     _require(d.loss_turns in ("last", "all"), f"--loss-turns {d.loss_turns}: use last or all")

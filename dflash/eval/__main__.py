@@ -16,8 +16,6 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-import torch
-
 from dflash.config import EVAL_FLAGS, check_eval_flags
 from dflash.data.chat_formats import DataError
 from dflash.data.thinking import THINKING_HELP
@@ -25,7 +23,7 @@ from dflash.data.tokenization import load_tokenizer
 from dflash.data.tokenizer_match import check_tokenizer_matches_target
 from dflash.demo import DEMO_HELDOUT_DATA, DEMO_TARGET_DIR, require_demo_assets
 from dflash.drafter.export import DrafterLoadError
-from dflash.eval.evaluate import check_lossless, evaluate_drafters, write_reports
+from dflash.eval.evaluate import EvalRequest, check_lossless, evaluate_drafters, resolve_dtype, write_reports
 from dflash.eval.speculative import DECODERS
 from dflash.target.frozen import TargetError
 from dflash.util.cli import cli_parser, user_error
@@ -44,7 +42,8 @@ class EvalArgs:
     num_prompts: int = 16
     max_new_tokens: int = 96
     device: str = "auto"
-    dtype: str = field(default="float32", metadata={"help": "float32 (exact lossless check) | bfloat16 (serving speed)"})
+    dtype: str = field(default="float32", metadata={"help": "float32 (exact lossless check) | bfloat16 (serving speed) | "
+                                                           "auto (bfloat16 on a GPU, float32 on the CPU)"})
     decoder: str = field(default="auto", metadata={"help": "fast (static KV caches, CUDA graphs on a GPU; Llama, "
                                                            "Mistral, Qwen2/3) | plain (HF forward, any family) | auto"})
     thinking: str = field(default="auto", metadata={"help": THINKING_HELP + " (a drafter that records another "
@@ -67,10 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = args.tokenizer or args.target
         check_tokenizer_matches_target(load_tokenizer(tokenizer), args.target, tokenizer, args.allow_tokenizer_mismatch)
         device = pick_device(args.device, 0)
-        reports = evaluate_drafters(
-            args.target, args.tokenizer or args.target, {"drafter": args.drafter}, args.prompts,
-            args.num_prompts, args.max_new_tokens, device, getattr(torch, args.dtype), args.decoder, args.thinking,
-        )
+        request = EvalRequest(args.target, tokenizer, args.prompts, args.num_prompts, args.max_new_tokens,
+                              resolve_dtype(args.dtype, device), args.decoder, args.thinking)
+        reports = evaluate_drafters(request, {"drafter": args.drafter}, device)
     except EVAL_ERRORS as err:
         return user_error(err)
     if args.output:

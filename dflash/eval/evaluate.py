@@ -93,6 +93,36 @@ class TeacherForced:
     ce: float = 0.0  # the slot-weighted cross-entropy, averaged over the sequences: held-out loss
 
 
+@dataclass
+class TeacherForcedTally:
+    """The counts behind TeacherForced: they add up exactly over sequences scored apart (on
+    other ranks, say), and summary() gives the same figures as scoring them all in one place."""
+
+    correct: list[float]  # per slot 0..B-1
+    count: list[float]
+    streak_sum: float = 0.0  # leading correct slots, over every anchor
+    anchors: int = 0
+    chain: list[int] = field(default_factory=list)  # accepted drafts per cycle of the chain walk
+    ce_sum: float = 0.0
+    sequences: int = 0
+
+    def __add__(self, other: TeacherForcedTally) -> TeacherForcedTally:
+        return TeacherForcedTally([a + b for a, b in zip(self.correct, other.correct)],
+                                  [a + b for a, b in zip(self.count, other.count)],
+                                  self.streak_sum + other.streak_sum, self.anchors + other.anchors,
+                                  self.chain + other.chain, self.ce_sum + other.ce_sum,
+                                  self.sequences + other.sequences)
+
+    def summary(self) -> TeacherForced:
+        acc = torch.tensor(self.correct, dtype=torch.float64) / torch.tensor(self.count, dtype=torch.float64).clamp(min=1)
+        chain = torch.tensor(self.chain or [0], dtype=torch.float64)
+        return TeacherForced(
+            acc=[float(a) for a in acc[1:]], streak=self.streak_sum / self.anchors if self.anchors else 0.0,
+            eal=expected_acceptance_length(acc), tau=float(chain.mean() + 1),
+            acceptance=[float((chain >= j).double().mean()) for j in range(1, len(self.correct))],
+            ce=self.ce_sum / max(self.sequences, 1))
+
+
 def chain_walk(streaks: list[int], produced: int) -> list[int]:
     """Accepted drafts per cycle of speculative decoding, from the teacher-forced streak of the
     block anchored at every response position: the first cycle is anchored at the first reply
@@ -128,8 +158,8 @@ def target_features(target: FrozenTarget) -> FeaturesOf:
 
 
 @torch.no_grad()
-def teacher_forced(drafter: DFlashDrafter, embed_tokens: torch.nn.Module, lm_head: torch.nn.Module,
-                   sequences: list[tuple[list[int], list[int], int]], features_of: FeaturesOf) -> TeacherForced:
+def teacher_forced_tally(drafter: DFlashDrafter, embed_tokens: torch.nn.Module, lm_head: torch.nn.Module,
+                         sequences: list[tuple[list[int], list[int], int]], features_of: FeaturesOf) -> TeacherForcedTally:
     """`sequences`: (prompt, continuation, reply tokens decoding keeps), from `continuation`; the
     target's features of each come from `features_of` (computed here, or computed once elsewhere)."""
     device = embed_tokens.weight.device
@@ -139,9 +169,7 @@ def teacher_forced(drafter: DFlashDrafter, embed_tokens: torch.nn.Module, lm_hea
     step = DrafterStep(drafter, embed_tokens, lm_head, settings)
     correct = torch.zeros(block, dtype=torch.float64)
     count = torch.zeros(block, dtype=torch.float64)
-    streaks: list[torch.Tensor] = []
-    accepted: list[int] = []
-    ces: list[float] = []
+    tally = TeacherForcedTally([0.0] * block, [0.0] * block)
     for index, (prompt, response, kept) in enumerate(sequences):
         ids = torch.tensor([prompt + response], device=device)
         loss_mask = torch.zeros_like(ids, dtype=torch.bool)
@@ -153,64 +181,103 @@ def teacher_forced(drafter: DFlashDrafter, embed_tokens: torch.nn.Module, lm_hea
         out = step.loss(step.make_blocks(ids, loss_mask, layout), features_of(index, ids))
         correct += out.slot_correct.double().cpu()
         count += out.slot_count.double().cpu()
-        streaks.append(out.block_streaks.double().cpu())
-        ces.append(float(out.ce))
-        accepted += chain_walk(out.block_streaks.long().tolist(), kept)
-    acc = correct / count.clamp(min=1)
-    chain = torch.tensor(accepted or [0], dtype=torch.float64)
-    return TeacherForced(
-        acc=[float(a) for a in acc[1:]], streak=float(torch.cat(streaks).mean()) if streaks else 0.0,
-        eal=expected_acceptance_length(acc), tau=float(chain.mean() + 1),
-        acceptance=[float((chain >= j).double().mean()) for j in range(1, block)],
-        ce=sum(ces) / max(len(ces), 1))
+        streaks = out.block_streaks.long().cpu()
+        tally.streak_sum += float(streaks.sum())
+        tally.anchors += streaks.numel()
+        tally.chain += chain_walk(streaks.tolist(), kept)
+        tally.ce_sum += float(out.ce)
+        tally.sequences += 1
+    tally.correct, tally.count = correct.tolist(), count.tolist()
+    return tally
 
 
-def evaluate(target: FrozenTarget, drafter: DFlashDrafter, prompts: list[list[int]], max_new_tokens: int,
-             eos_ids: set[int], decoder: str = "auto", continuations: dict | None = None) -> EvalReport:
-    """Greedy against speculative decoding of each prompt, and the teacher-forced measures on the
+def teacher_forced(drafter: DFlashDrafter, embed_tokens: torch.nn.Module, lm_head: torch.nn.Module,
+                   sequences: list[tuple[list[int], list[int], int]], features_of: FeaturesOf) -> TeacherForced:
+    return teacher_forced_tally(drafter, embed_tokens, lm_head, sequences, features_of).summary()
+
+
+@dataclass
+class EvalTally:
+    """What judging one drafter on some prompts counted: sums and lists that add up exactly over the
+    ranks that shared the prompts out (dflash/eval/spread.py); report() turns them into the figures."""
+
+    dtype: str
+    decoder: str
+    teacher: TeacherForcedTally
+    block_size: int
+    prompts: int = 0
+    accepted: list[int] = field(default_factory=list)  # accepted drafts per speculative cycle
+    greedy_seconds: float = 0.0
+    speculative_seconds: float = 0.0
+    tokens: int = 0
+    diverged: int = 0
+
+    def __add__(self, other: EvalTally) -> EvalTally:
+        return EvalTally(self.dtype, self.decoder, self.teacher + other.teacher, self.block_size,
+                         self.prompts + other.prompts, self.accepted + other.accepted,
+                         self.greedy_seconds + other.greedy_seconds,
+                         self.speculative_seconds + other.speculative_seconds, self.tokens + other.tokens,
+                         self.diverged + other.diverged)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> EvalTally:
+        return cls(**{**values, "teacher": TeacherForcedTally(**values["teacher"])})
+
+    def report(self) -> EvalReport:
+        accepted = torch.tensor(self.accepted or [0], dtype=torch.float64)
+        tf = self.teacher.summary()
+        return EvalReport(
+            prompts=self.prompts, tau=float(accepted.mean() + 1),
+            acceptance=[float((accepted >= j).double().mean()) for j in range(1, self.block_size)],
+            speedup=self.greedy_seconds / max(self.speculative_seconds, 1e-9), greedy_seconds=self.greedy_seconds,
+            speculative_seconds=self.speculative_seconds, tokens=self.tokens, diverged=self.diverged,
+            dtype=self.dtype, decoder=self.decoder, teacher_forced_acc=tf.acc, teacher_forced_streak=tf.streak,
+            teacher_forced_eal=tf.eal, teacher_forced_tau=tf.tau)
+
+
+def evaluate_tally(target: FrozenTarget, drafter: DFlashDrafter, prompts: list[list[int]], max_new_tokens: int,
+                   eos_ids: set[int], decoder: str = "auto", continuations: dict | None = None,
+                   on_prompt: Callable[[], None] = lambda: None) -> EvalTally:
+    """Greedy against speculative decoding of each prompt, and the teacher-forced counts on the
     target's continuations. `continuations`: a dict that keeps those per block size, so that the
-    drafters judged on one target and prompts share them (they take a greedy decode each)."""
+    drafters judged on one target and prompts share them (they take a greedy decode each);
+    `on_prompt`: called as each prompt is decoded (a sign of life for whoever waits)."""
     drafter = drafter.to(target.device, target.embed_tokens.weight.dtype).eval()
     kind = resolve_decoder(decoder, target)
     block = drafter.block_size
+    dtype = str(target.embed_tokens.weight.dtype).removeprefix("torch.")
     decode = Decoder(target, drafter, max(map(len, prompts)) + max_new_tokens + block, kind)
     decode.greedy(prompts[0], 4, eos_ids)  # warm-up: first calls pay one-off costs (and capture graphs)
     decode.speculative(prompts[0], 4, eos_ids)
-    greedy_s = spec_s = 0.0
-    accepted: list[int] = []
-    tokens = 0
-    diverged = 0
+    tally = EvalTally(dtype, kind, TeacherForcedTally([0.0] * block, [0.0] * block), block, prompts=len(prompts))
     replies = []
     for prompt in prompts:
         plain = decode.greedy(prompt, max_new_tokens, eos_ids)
         replies.append(plain.tokens)
         spec = decode.speculative(prompt, max_new_tokens, eos_ids)
         if spec.tokens != plain.tokens:
-            diverged += 1
+            tally.diverged += 1
             # a bug in float32; in bfloat16 a near-tie rounded two ways (check_lossless sums them up)
-            exact = target.embed_tokens.weight.dtype == torch.float32
-            (logger.error if exact else logger.info)("speculative output differs from greedy on a prompt of %d "
-                                                     "tokens", len(prompt))
-        greedy_s += plain.seconds
-        spec_s += spec.seconds
-        accepted += spec.accepted
-        tokens += len(spec.tokens)
+            (logger.error if dtype == "float32" else logger.info)(
+                "speculative output differs from greedy on a prompt of %d tokens", len(prompt))
+        tally.greedy_seconds += plain.seconds
+        tally.speculative_seconds += spec.seconds
+        tally.accepted += spec.accepted
+        tally.tokens += len(spec.tokens)
+        on_prompt()
     continuations = {} if continuations is None else continuations
     if block not in continuations:
         continuations[block] = [(p, *continuation(decode, p, max_new_tokens, eos_ids, block, reply))
                                 for p, reply in zip(prompts, replies)]
-    sequences = continuations[block]
-    accepted_t = torch.tensor(accepted or [0], dtype=torch.float64)
-    acceptance = [float((accepted_t >= j).double().mean()) for j in range(1, block)]
-    tf = teacher_forced(drafter, target.embed_tokens, target.lm_head, sequences, target_features(target))
-    return EvalReport(
-        prompts=len(prompts), tau=float(accepted_t.mean() + 1), acceptance=acceptance,
-        speedup=greedy_s / max(spec_s, 1e-9), greedy_seconds=greedy_s, speculative_seconds=spec_s,
-        tokens=tokens, diverged=diverged, dtype=str(target.embed_tokens.weight.dtype).removeprefix("torch."),
-        decoder=kind,
-        teacher_forced_acc=tf.acc, teacher_forced_streak=tf.streak, teacher_forced_eal=tf.eal,
-        teacher_forced_tau=tf.tau,
-    )
+    tally.teacher = teacher_forced_tally(drafter, target.embed_tokens, target.lm_head, continuations[block],
+                                         target_features(target))
+    return tally
+
+
+def evaluate(target: FrozenTarget, drafter: DFlashDrafter, prompts: list[list[int]], max_new_tokens: int,
+             eos_ids: set[int], decoder: str = "auto", continuations: dict | None = None) -> EvalReport:
+    """evaluate_tally's figures."""
+    return evaluate_tally(target, drafter, prompts, max_new_tokens, eos_ids, decoder, continuations).report()
 
 
 def load_prompts(path: str, tokenizer, limit: int, thinking: str = "none") -> list[list[int]]:
@@ -226,16 +293,39 @@ def load_prompts(path: str, tokenizer, limit: int, thinking: str = "none") -> li
     return prompts
 
 
-def evaluate_drafters(
-    target_path: str, tokenizer_path: str, drafters: dict[str, str | Path], prompts_path: str,
-    num_prompts: int, max_new_tokens: int, device: torch.device, dtype: torch.dtype = torch.float32,
-    decoder: str = "auto", thinking: str = "auto",
-) -> dict[str, EvalReport]:
-    """Load the target once and judge each named drafter folder on the same prompts, rendered in
-    the `thinking` mode (--thinking, resolved): a drafter that records another one is refused."""
-    tokenizer = load_tokenizer(tokenizer_path)
-    mode = resolve_thinking(tokenizer, thinking)
-    prompts = load_prompts(prompts_path, tokenizer, num_prompts, mode)  # cheap checks before the target loads
+def resolve_dtype(flag: str, device: torch.device) -> str:
+    """--eval-dtype / --dtype auto: bfloat16, as a GPU serves, on CUDA; float32 on the CPU, where
+    bfloat16 matmuls are slow and a speed-up in them means nothing."""
+    if flag != "auto":
+        return flag
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
+@dataclass(frozen=True)
+class EvalRequest:
+    """What an evaluation judges the drafters on: the target and its tokenizer, the first
+    `num_prompts` prompts of a chat file (rendered in the `thinking` mode, --thinking, unresolved),
+    decoded to `max_new_tokens` in `dtype` by `decoder`."""
+
+    target: str
+    tokenizer: str
+    prompts: str
+    num_prompts: int
+    max_new_tokens: int
+    dtype: str = "float32"
+    decoder: str = "auto"
+    thinking: str = "auto"
+
+
+def tally_drafters(request: EvalRequest, drafters: dict[str, str | Path], device: torch.device,
+                   share: tuple[int, int] = (0, 1), on_prompt: Callable[[], None] = lambda: None
+                   ) -> dict[str, EvalTally]:
+    """Load the target once and judge each named drafter folder on the same prompts (`share` (i, k):
+    the i-th of every k of them); a drafter that records another thinking mode is refused."""
+    tokenizer = load_tokenizer(request.tokenizer)
+    mode = resolve_thinking(tokenizer, request.thinking)
+    prompts = load_prompts(request.prompts, tokenizer, request.num_prompts, mode)  # cheap checks before the target
+    prompts = prompts[share[0]::share[1]]
     loaded = {name: load_drafter(path) for name, path in drafters.items()}
     for name, drafter in loaded.items():
         trained = drafter.config.dflash_config.get("thinking")  # None: exported before drafters recorded it
@@ -245,12 +335,21 @@ def evaluate_drafters(
     layer_ids = {tuple(d.config.dflash_config["target_layer_ids"]) for d in loaded.values()}
     if len(layer_ids) != 1:
         raise DrafterLoadError(f"drafters {list(drafters)} read different target layers {sorted(layer_ids)}")
-    target = FrozenTarget.load(resolve_target(target_path), list(layer_ids.pop()), dtype, device)
+    target = FrozenTarget.load(resolve_target(request.target), list(layer_ids.pop()), getattr(torch, request.dtype),
+                               device)
     eos = eos_token_ids(tokenizer, target)
-    reports, continuations = {}, {}
-    for name, drafter in loaded.items():
-        reports[name] = evaluate(target, drafter, prompts, max_new_tokens, eos, decoder, continuations)
-        logger.info("eval %s: %s", name, reports[name].summary())
+    continuations: dict = {}
+    return {name: evaluate_tally(target, drafter, prompts, request.max_new_tokens, eos, request.decoder,
+                                 continuations, on_prompt)
+            for name, drafter in loaded.items()}
+
+
+def evaluate_drafters(request: EvalRequest, drafters: dict[str, str | Path], device: torch.device
+                      ) -> dict[str, EvalReport]:
+    """tally_drafters' figures, each logged."""
+    reports = {name: tally.report() for name, tally in tally_drafters(request, drafters, device).items()}
+    for name, report in reports.items():
+        logger.info("eval %s: %s", name, report.summary())
     return reports
 
 

@@ -120,3 +120,9 @@ def exit_now(exit_code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)
+
+
+def rendezvous_store() -> dist.Store:
+    """The key-value store the ranks met through (TCP, served by rank 0 or the launcher): messages
+    between a few ranks that must not wait for every rank, as a collective would."""
+    return dist.distributed_c10d._get_default_store()

@@ -92,18 +92,23 @@ def out_of_memory_line(config: RunConfig, rank: int, err: BaseException) -> str:
     return f"rank {rank}: out of GPU memory ({first}); a step's size is set by {sized}: lower them; {how_to_continue(config)}"
 
 
-def final_evaluation(config, result, device) -> None:
-    """Untrained vs trained drafter on held-out prompts, by real speculative decoding."""
-    import torch
+def final_evaluation(config: RunConfig, result, ranks: RankInfo) -> None:
+    """Untrained vs trained drafter on held-out prompts, by real speculative decoding, spread over
+    the ranks that hold the target (dflash/eval/spread.py); rank 0 writes eval.json."""
+    from dflash.eval.evaluate import EvalRequest, check_lossless, resolve_dtype, write_reports
+    from dflash.eval.spread import judge_all, judge_share
 
-    from dflash.eval.evaluate import check_lossless, evaluate_drafters, write_reports
-
-    reports = evaluate_drafters(
-        config.model.target, config.model.tokenizer,
-        {"untrained": result.initial_drafter_dir, "trained": result.drafter_dir},
-        config.data.eval_data, config.train.eval_prompts, config.train.eval_max_new_tokens, device,
-        getattr(torch, config.train.eval_dtype), thinking=config.data.thinking,
-    )
+    timeout_s = config.train.dist_timeout_minutes * 60
+    if not ranks.is_main:
+        if result.role != "drafter":
+            judge_share(ranks, timeout_s)
+        return
+    request = EvalRequest(config.model.target, config.model.tokenizer, config.data.eval_data, config.train.eval_prompts,
+                          config.train.eval_max_new_tokens, resolve_dtype(config.train.eval_dtype, ranks.device),
+                          thinking=config.data.thinking)
+    holders = result.target_holders if result.targets_finished else [0]  # a stalled target judges nothing
+    reports = judge_all(ranks, holders, request, {"untrained": result.initial_drafter_dir, "trained": result.drafter_dir},
+                        config.train.eval_lossless_prompts, timeout_s)
     write_reports(reports, Path(config.train.output_dir) / "eval.json")
     if not check_lossless(reports):
         raise RuntimeError("speculative decoding changed the output: this is a bug, please report it")
@@ -114,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         config = parse_config(argv)
     except USER_ERRORS as err:
         return user_error(err)
+    from dflash.eval.spread import FinalEvalError
     from dflash.placement.distributed import abandon, exit_now, init_distributed, shutdown
     from dflash.training.run import train
 
@@ -121,13 +127,19 @@ def main(argv: list[str] | None = None) -> int:
     ranks = RANKS = init_distributed(config.train.device, config.train.dist_timeout_minutes)
     try:
         result = train(config, ranks)
-        if ranks.is_main and config.data.eval_data and config.train.eval_prompts > 0:
-            final_evaluation(config, result, ranks.device)
+        if config.data.eval_data and config.train.eval_prompts > 0:
+            final_evaluation(config, result, ranks)
     except USER_ERRORS as err:
         ENDING.set()
         logger.error("%s", err)
         abandon(2)
         return 2
+    except FinalEvalError as err:
+        logger.error("%s; the drafter is exported to %s: judge it again with python -m dflash.eval --target %s "
+                     "--drafter %s --prompts %s", err, result.drafter_dir, config.model.target, result.drafter_dir,
+                     config.data.eval_data)
+        abandon(1)
+        return 1
     except BaseException as err:
         import torch  # loaded by the run already
 

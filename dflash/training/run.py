@@ -14,7 +14,7 @@ import functools
 import logging
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -60,6 +60,7 @@ class TrainResult:
     initial_drafter_dir: Path
     last_metrics: dict
     targets_finished: bool = True  # False: a target rank stalled after the drafters' last step
+    target_holders: list[int] = field(default_factory=list)  # the ranks that hold the target (rank 0's result)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -397,8 +398,9 @@ def finish(ctx: RankContext, run: DrafterRun, report: RunReport, source: Feature
                     seconds, drafter_dir)
     report.close()
     role = "colocated" if ctx.topology.colocated else "drafter"
+    holders = list(range(ctx.ranks.world_size)) if ctx.topology.colocated else list(ctx.topology.target_ranks)
     return TrainResult(role, steps, seconds, drafter_dir, run.initial_dir, report.last,
-                       targets_finished=close_transport(ctx, source, drafter_dir))
+                       targets_finished=close_transport(ctx, source, drafter_dir), target_holders=holders)
 
 
 def steps_trained(first_step: int, last_step: int, tally: StepTally) -> str:

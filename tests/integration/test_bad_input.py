@@ -188,7 +188,7 @@ def test_eval_answers_bad_prompts_and_bad_drafter_folders_in_one_line(capsys, tm
     weights = drafter / WEIGHTS_NAME
     weights.write_bytes(weights.read_bytes()[:100])  # an interrupted copy
     eval_fails_with(capsys, ["--drafter", str(drafter)], f"{weights}: cannot read the weights")
-    eval_fails_with(capsys, ["--dtype", "float16"], "--dtype float16: use float32 or bfloat16")
+    eval_fails_with(capsys, ["--dtype", "float16"], "--dtype float16: use auto, float32 or bfloat16")
 
 
 def test_a_truncated_target_weight_file_is_named(tmp_path):
@@ -211,7 +211,7 @@ def test_train_and_eval_share_the_evaluation_checks(capsys, paths, tmp_path):
                "--eval-max-new-tokens 0: use at least 1")
     eval_fails_with(capsys, ["--max-new-tokens", "0"], "--max-new-tokens 0: use at least 1")
     fails_with(capsys, ["--target", paths["target"], "--train-data", paths["data"], "--eval-dtype", "half"],
-               "--eval-dtype half: use float32 or bfloat16")
+               "--eval-dtype half: use auto, float32 or bfloat16")
     missing = tmp_path / "missing.jsonl"
     eval_fails_with(capsys, ["--prompts", str(missing)], f"--prompts {missing}: no such file")
     eval_fails_with(capsys, ["--num-prompts", "0"], "--num-prompts 0: use at least 1")

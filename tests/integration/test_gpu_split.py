@@ -1,6 +1,7 @@
 """Split placement over NCCL on two GPUs (run on a 2-GPU host: python -m pytest -m gpu): each
 launcher trains 20 steps; split 1+1 equals colocated x1 in fp32; a target rank that dies or
-stops sending ends the drafter within the transport timeout with an error naming it."""
+stops sending ends the drafter within the transport timeout with an error naming it; colocated
+x2 shares the final eval out over both GPUs."""
 
 from __future__ import annotations
 
@@ -84,3 +85,17 @@ def test_a_target_that_dies_or_stops_ends_the_drafter_within_the_timeout(tiny_se
                                          tmp_path, sig)
     assert seconds <= TIMEOUT_S + 15, (seconds, err[-2000:])
     assert "Traceback" not in err and "rank 0 (drafter) at step " in err and "target rank 1" in err, err[-2000:]
+
+
+def test_colocated_on_two_gpus_the_final_eval_is_shared_by_both(tiny_setup, tmp_path):
+    """Each GPU judges its share of the held-out prompts in bfloat16 (auto on CUDA); rank 0 adds
+    them up and checks the first ones in float32."""
+    args = gpu_args(tiny_setup, tmp_path, "--target-ranks", "colocated", "--eval-data", str(tiny_setup["heldout"]),
+                    "--eval-prompts", "3", "--eval-max-new-tokens", "8", "--eval-lossless-prompts", "2")
+    proc = subprocess.run([*LAUNCHERS["torchrun"](), str(REPO / "train_drafter.py"), *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "final evaluation on ranks [0, 1] (2, 1 prompts)" in proc.stderr
+    reports = json.loads((tmp_path / "eval.json").read_text())
+    assert reports["trained"]["prompts"] == 3 and reports["trained"]["dtype"] == "bfloat16"
+    assert reports["trained_float32"]["prompts"] == 2 and reports["trained_float32"]["lossless"]

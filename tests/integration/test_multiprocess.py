@@ -70,7 +70,6 @@ def test_split_one_plus_one_matches_colocated(tiny_setup, tmp_path, single_proce
 
 @pytest.mark.parametrize("nproc, placement, expect", [
     (2, ["--target-ranks", "colocated"], "colocated: target and drafter on all 2 ranks"),
-    (3, ["--target-ranks", "2", "--kl-weight", "0.5"], "split: target on ranks [1, 2], drafter on ranks [0]"),
     (3, ["--target-ranks", "1", "--deepspeed-config", "ds_configs/zero2.json"],
      "split: target on ranks [2], drafter on ranks [0, 1]"),
 ])
@@ -81,6 +80,27 @@ def test_placements_train(tiny_setup, tmp_path, nproc, placement, expect):
     run = losses(tmp_path)
     assert all(loss > 0 for loss in run)
     assert (tmp_path / "drafter" / "model.safetensors").is_file()
+
+
+def test_the_final_eval_is_spread_over_the_target_ranks_and_checked_in_float32_on_rank_0(tiny_setup, tmp_path):
+    """Split with two target ranks (and the KL term, whose final hidden states travel too): the two
+    share the held-out prompts in bfloat16, rank 0 adds their tallies up and decodes the first
+    prompts in float32 meanwhile, where speculative decoding must equal greedy."""
+    proc = run_trainer(tiny_args(tiny_setup, tmp_path, "--target-ranks", "2", "--kl-weight", "0.5", "--eval-data",
+                                 str(tiny_setup["heldout"]), "--eval-prompts", "3", "--eval-max-new-tokens", "8",
+                                 "--eval-dtype", "bfloat16", "--eval-lossless-prompts", "2"), nproc=3)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "split: target on ranks [1, 2], drafter on ranks [0]" in proc.stderr
+    assert all(loss > 0 for loss in losses(tmp_path))
+    assert "final evaluation of 3 held-out prompts in bfloat16 on ranks [1, 2]" in proc.stderr
+    assert "final evaluation on ranks [1, 2] (2, 1 prompts)" in proc.stderr
+    reports = json.loads((tmp_path / "eval.json").read_text())
+    assert list(reports) == ["untrained", "trained", "trained_float32"]
+    for name in ("untrained", "trained"):  # both shares, added up
+        assert reports[name]["prompts"] == 3 and reports[name]["dtype"] == "bfloat16", reports[name]
+        assert reports[name]["tokens"] >= 3 and reports[name]["teacher_forced_tau"] >= 1
+    exact = reports["trained_float32"]
+    assert exact["prompts"] == 2 and exact["dtype"] == "float32" and exact["lossless"], exact
 
 
 def test_zero_over_two_drafter_ranks_applies_the_gradient_of_the_doubled_batch(tmp_path):

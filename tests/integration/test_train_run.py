@@ -89,3 +89,16 @@ def test_precision_bf16_trains_on_cpu(tiny_setup, tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3] and all(r["loss"] > 0 for r in records)
     weights = torch.load(tmp_path / "checkpoints" / "step_3" / "mp_rank_00_model_states.pt", weights_only=False)
     assert {str(w.dtype) for w in weights["module"].values()} == {"torch.bfloat16"}
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_final_eval_runs_in_bfloat16_with_a_float32_check(tiny_setup, tmp_path):
+    """--eval-dtype auto on CUDA: the drafters are judged in bfloat16, as served, and the trained one
+    also on the first --eval-lossless-prompts in float32, where it must equal greedy."""
+    proc = run_trainer(tiny_args(tiny_setup, tmp_path, "--device", "cuda", "--eval-data", str(tiny_setup["heldout"]),
+                                 "--eval-prompts", "3", "--eval-max-new-tokens", "8", "--eval-lossless-prompts", "2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = json.loads((tmp_path / "eval.json").read_text())
+    assert [(name, r["dtype"], r["prompts"]) for name, r in reports.items()] == [
+        ("untrained", "bfloat16", 3), ("trained", "bfloat16", 3), ("trained_float32", "float32", 2)]
+    assert reports["trained_float32"]["lossless"]

@@ -3,10 +3,15 @@ equals the tau of real speculative decoding."""
 
 from __future__ import annotations
 
+import functools
+import json
+import operator
+from dataclasses import asdict
+
 import pytest
 import torch
 
-from dflash.eval.evaluate import chain_walk, continuation, evaluate
+from dflash.eval.evaluate import EvalTally, chain_walk, continuation, evaluate, evaluate_tally
 from dflash.eval.speculative import Decoder
 
 
@@ -33,9 +38,11 @@ def test_chain_walk_follows_decoding():
     assert chain_walk([4], produced=1) == []  # the prompt's forward made the only token
 
 
-def test_teacher_forced_tau_equals_real_tau_on_the_demo_target():
-    """The drafter is fitted to the evaluated prompts' own greedy continuations, so that cycles
-    accept several drafts whatever the demo target is like (its held-out answers are hard)."""
+@pytest.fixture(scope="module")
+def fitted():
+    """The demo target, four held-out prompts, and a drafter fitted to their own greedy
+    continuations, so that cycles accept several drafts whatever the demo target is like (its
+    held-out answers are hard)."""
     from dflash.data.chat_formats import load_chat_jsonl
     from dflash.data.tokenization import load_tokenizer, prompt_ids
     from dflash.demo import DEMO_HELDOUT_DATA, DEMO_TARGET_DIR
@@ -63,10 +70,31 @@ def test_teacher_forced_tau_equals_real_tau_on_the_demo_target():
         input_ids[i, : len(row)] = torch.tensor(row)
         loss_mask[i, len(prompt): len(row)] = True
     fit(step, input_ids, loss_mask, target.features(input_ids).features)
-    report = evaluate(target, drafter.eval(), prompts, 48, {tokenizer.eos_token_id})
+    return target, drafter.eval(), prompts, {tokenizer.eos_token_id}
+
+
+def test_teacher_forced_tau_equals_real_tau_on_the_demo_target(fitted):
+    target, drafter, prompts, eos = fitted
+    report = evaluate(target, drafter, prompts, 48, eos)
     assert report.tau > 1.5 and report.acceptance[1] > 0, "cycles must accept several drafts for this to mean something"
     assert report.teacher_forced_tau == pytest.approx(report.tau, rel=0.02)
     assert abs(1 + report.teacher_forced_streak - report.tau) > abs(report.teacher_forced_tau - report.tau)
+
+
+def test_the_tallies_of_prompts_judged_apart_add_up_to_the_figures_of_judging_them_together(fitted):
+    """The final evaluation spread over ranks: each judges every k-th prompt and rank 0 adds the
+    tallies (after a trip through JSON, as the store carries them). Every figure but the seconds is
+    then the one a single rank gives."""
+    target, drafter, prompts, eos = fitted
+    whole = evaluate(target, drafter, prompts, 48, eos)
+    shares = [evaluate_tally(target, drafter, prompts[i::3], 48, eos) for i in range(3)]
+    carried = [EvalTally.from_dict(json.loads(json.dumps(asdict(t)))) for t in shares]
+    assert carried == shares
+    merged = functools.reduce(operator.add, carried).report()
+    assert shares[0].report().tokens < whole.tokens and shares[0].report().tau != whole.tau  # the shares differ
+    for name in ("prompts", "tokens", "diverged", "tau", "acceptance", "teacher_forced_acc", "teacher_forced_streak",
+                 "teacher_forced_eal", "teacher_forced_tau"):
+        assert getattr(merged, name) == pytest.approx(getattr(whole, name), rel=1e-12, abs=1e-15), name
 
 
 def test_prompt_only_held_out_files_give_the_same_prompts(tmp_path):
