@@ -42,6 +42,7 @@ class ModelArgs:
         "help": "start drafter layer i as a copy of target layer i of this list (one per drafter layer; default: random)"})
     block_size: int | None = field(default=None, metadata={"help": "B, tokens drafted per forward (recipe 16, demo 8)"})
     draft_window: int = field(default=0, metadata={"help": "sliding window of the drafter's layers: a block sees the W context positions before its anchor (0: all)"})
+    draft_vocab: int = field(default=0, metadata={"help": "N > 0: the drafter drafts from the N tokens most frequent in the training replies, through those rows of the target's lm_head, a fraction of its cost on a small target with a large vocabulary (0: every token)"})
     mask_token_id: int | None = field(default=None, metadata={"help": "default: tokenizer mask token, else a spare embedding row (a GGUF's first [PAD<row>] placeholder, else the first row past the tokenizer)"})
     allow_tokenizer_mismatch: bool = field(default=False, metadata={
         "help": "train although --tokenizer's special ids or vocabulary differ from --target's (a warning, not an error)"})
@@ -366,6 +367,7 @@ def _validate_inputs_and_shapes(config: RunConfig) -> None:
     _require(m.attention_backend in ("auto", "sdpa", "flex"),
              f"--attention-backend {m.attention_backend}: use auto, sdpa or flex")
     _require(m.draft_window >= 0, f"--draft-window {m.draft_window}: use 0 (full attention) or a window in tokens")
+    _require(m.draft_vocab >= 0, f"--draft-vocab {m.draft_vocab}: use 0 (every token) or a number of tokens")
     _require(m.kernels in ("fast", "naive"), f"--kernels {m.kernels}: use fast or naive")
     _require(d.bucket_boundaries == sorted(d.bucket_boundaries) and len(d.bucket_boundaries) >= 1,
              f"--bucket-boundaries {d.bucket_boundaries}: must be ascending")

@@ -46,6 +46,16 @@ class TokenDataset:
     def lengths(self) -> np.ndarray:
         return self._lengths
 
+    def reply_token_counts(self, vocab_size: int, chunk_tokens: int = 1 << 26) -> np.ndarray:
+        """How often each token id is a reply token (in the loss mask), over every sample, read in
+        chunks so that a corpus of billions of tokens needs no more memory than a chunk."""
+        counts = np.zeros(vocab_size, dtype=np.int64)
+        for start in range(0, len(self._ids), chunk_tokens):
+            ids = np.asarray(self._ids[start:start + chunk_tokens])
+            counts += np.bincount(ids[np.asarray(self._mask[start:start + chunk_tokens], dtype=bool)],
+                                  minlength=vocab_size)[:vocab_size]
+        return counts
+
     def anchor_candidates(self, chunk_tokens: int = 1 << 26) -> np.ndarray:
         """Per sample, how many positions could anchor a block (loss mask at a and a+1, as
         `objective.anchor_candidates`), read in chunks of whole samples so a corpus of billions

@@ -8,6 +8,8 @@ Layer ids: target layer id i is the OUTPUT of decoder layer i, which is HF `hidd
 (`hidden_states[0]` is the embedding output) and the input of layer i + 1.
 model.safetensors: top-level names (`layers.N.self_attn.q_proj.weight`, `fc.weight`,
   `hidden_norm.weight`, `norm.weight`, ...); no embedding, no lm_head (they are the target's).
+  With a draft vocabulary (dflash_config.draft_vocab_size N): `draft_to_target`, the N target
+  token ids (int64, ascending) whose lm_head rows the drafter drafts from.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dty
     an earlier export stays until the new one is complete. Raises StorageError naming the path
     when the disk is full or not writable."""
     out_dir = Path(out_dir)
-    state = {name: tensor.detach().to("cpu", dtype).contiguous() for name, tensor in drafter.state_dict().items()}
+    state = {name: tensor.detach().to("cpu", dtype if tensor.is_floating_point() else tensor.dtype).contiguous()
+             for name, tensor in drafter.state_dict().items()}  # ids (the draft vocabulary) stay ids
     config = exported_config(drafter)
     config["dtype"] = str(dtype).removeprefix("torch.")
     intact = f"the earlier {out_dir} (if any) is intact"

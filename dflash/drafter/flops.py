@@ -17,6 +17,8 @@ from functools import lru_cache
 
 import torch
 
+from dflash.drafter.model import head_vocab_size
+
 
 @dataclass
 class CostShapes:
@@ -42,7 +44,7 @@ def cost_shapes(dcfg, max_anchors: int, whole_target: bool) -> CostShapes:
     layer_ids = dcfg.dflash_config["target_layer_ids"]
     return CostShapes(
         hidden=dcfg.hidden_size, intermediate=dcfg.intermediate_size, heads=dcfg.num_attention_heads,
-        kv_heads=dcfg.num_key_value_heads, head_dim=dcfg.head_dim, vocab=dcfg.vocab_size,
+        kv_heads=dcfg.num_key_value_heads, head_dim=dcfg.head_dim, vocab=head_vocab_size(dcfg),
         target_layers_run=dcfg.num_target_layers if whole_target else max(layer_ids) + 1,
         drafter_layers=dcfg.num_hidden_layers, num_features=len(layer_ids), anchors=max_anchors,
         block_size=dcfg.block_size, window=int(dcfg.dflash_config.get("swa_window_size", 0)),

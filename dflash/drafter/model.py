@@ -7,7 +7,8 @@ Read top to bottom:
                k_norm and RoPE at absolute positions; residual + MLP on the block only
   final norm --> hidden [b, Q, D]; the frozen TARGET lm_head turns it into logits.
 
-The drafter owns no embedding and no lm_head: they stay with the target and are passed in.
+The drafter owns no embedding and no lm_head: they stay with the target and are passed in. With
+a draft vocabulary (dflash/drafter/vocab.py) it holds the ids of the lm_head rows it drafts from.
 The config is a plain `Qwen3Config` (so exported folders read as Qwen3 layers) with the DFlash
 fields `block_size`, `num_target_layers` and `dflash_config` added.
 """
@@ -40,10 +41,12 @@ def drafter_config(
     block_size: int,
     mask_token_id: int,
     window: int = 0,
+    draft_vocab: int = 0,
 ) -> Qwen3Config:
     """A drafter config with the target's width, heads and RoPE, and the DFlash fields. `window`
     > 0: sliding-window layers, written in the keys serving engines read (`layer_types`,
-    `sliding_window`, `dflash_config.use_swa` / `swa_window_size`)."""
+    `sliding_window`, `dflash_config.use_swa` / `swa_window_size`); `draft_vocab` > 0: it drafts
+    from that many of the target's tokens (`dflash_config.draft_vocab_size`)."""
     text_config = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     hidden = text_config.hidden_size
     heads = text_config.num_attention_heads
@@ -70,6 +73,8 @@ def drafter_config(
     config.dflash_config = {"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)}
     if window > 0:
         config.dflash_config.update(use_swa=True, swa_window_size=window)
+    if draft_vocab:
+        config.dflash_config["draft_vocab_size"] = draft_vocab
     return config
 
 
@@ -151,10 +156,18 @@ class DrafterCache:
         return self.keys.shape[3]
 
 
+def head_vocab_size(config: Qwen3Config) -> int:
+    """Rows of the lm_head the drafter scores with: its draft vocabulary's, or all the target's."""
+    return config.dflash_config.get("draft_vocab_size") or config.vocab_size
+
+
 class DFlashDrafter(nn.Module):
     def __init__(self, config: Qwen3Config):
         super().__init__()
         self.config = config
+        draft_vocab = config.dflash_config.get("draft_vocab_size")
+        if draft_vocab:  # the target ids of the rows it drafts from (dflash/drafter/vocab.py), set by training
+            self.register_buffer("draft_to_target", torch.arange(draft_vocab))
         num_features = len(config.dflash_config["target_layer_ids"])
         self.fc = nn.Linear(num_features * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)

@@ -16,6 +16,7 @@ from dflash.drafter.attention import FLEX_MIN_QUERY_ROWS, BlockLayout, build_mas
 from dflash.drafter.model import DFlashDrafter
 from dflash.drafter.objective import (Blocks, LossDenominators, LossOutput, LossTerms, build_blocks, dflash_loss,
                                       sample_anchors)
+from dflash.drafter.vocab import DraftHead
 
 
 @dataclass
@@ -32,23 +33,24 @@ class StepSettings:
 
 
 class DrafterStep:
-    """Wires the drafter to the target's frozen embedding and lm_head (shared, not copied)."""
+    """Wires the drafter to the target's frozen embedding and lm_head (shared, not copied; with a
+    draft vocabulary, the rows of it the drafter drafts from)."""
 
     def __init__(
-        self, drafter: DFlashDrafter, embed_tokens: nn.Module, lm_head: nn.Module, settings: StepSettings,
+        self, drafter: DFlashDrafter, embed_tokens: nn.Module, lm_head: nn.Module | DraftHead, settings: StepSettings,
         forward: nn.Module | None = None,
     ):
         self.drafter = drafter
         self.forward = forward or drafter  # the DeepSpeed engine when training
         self.embed_tokens = embed_tokens
-        self.lm_head = lm_head
+        self.lm_head = DraftHead.of(drafter, lm_head)
         self.settings = settings
 
     def make_blocks(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, layout: BlockLayout) -> Blocks:
         layout = dataclasses.replace(layout, window=self.drafter.window)  # the drafter's own window
         if self.settings.attention_backend == "flex":
             layout = pad_blocks(layout, FLEX_MIN_QUERY_ROWS)
-        return build_blocks(input_ids, loss_mask, layout, self.drafter.mask_token_id)
+        return self.lm_head.restrict(build_blocks(input_ids, loss_mask, layout, self.drafter.mask_token_id))
 
     def sample_blocks(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, generator: torch.Generator) -> Blocks:
         layout = sample_anchors(loss_mask, self.settings.max_anchors, self.drafter.block_size, generator,

@@ -24,6 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from dflash.drafter.model import DFlashDrafter, DrafterCache
+from dflash.drafter.vocab import DraftHead
 from dflash.target.frozen import FrozenTarget
 from dflash.target.graphs import GraphReplays
 from dflash.target.static import StaticTarget, fast_decoding_supported, round_up
@@ -93,6 +94,7 @@ class DraftSession:
                  compiled: bool = True):
         device, dtype = target.device, target.embed_tokens.weight.dtype
         self.target, self.drafter = target, drafter
+        self.head = DraftHead.of(drafter, target.lm_head)
         block = drafter.block_size
         # A block proposed after the last verify reaches up to B columns past the decoder's
         # capacity (it is queued before the host knows decoding ends). Aligned mask rows let SDPA
@@ -163,7 +165,7 @@ class DraftSession:
     def _guess(self) -> torch.Tensor:
         """The drafter's B-1 greedy guesses [B-1] for the block in `_block_ids` at `_anchor`."""
         hidden = self.drafter.draft(self.cache, self.target.embed_tokens(self._block_ids), self._anchor + self._offsets)
-        return self.target.lm_head(hidden[0, 1:]).argmax(-1)
+        return self.head.to_target(self.head(hidden[0, 1:]).argmax(-1))
 
 
 class HostCopy:

@@ -21,9 +21,10 @@ from dflash.data.sampler import RankAwareBucketSampler
 from dflash.drafter.attention import resolve_backend
 from dflash.drafter.export import export_drafter
 from dflash.drafter.init_from_target import init_from_target_layers
-from dflash.drafter.model import DFlashDrafter
+from dflash.drafter.model import DFlashDrafter, head_vocab_size
 from dflash.drafter.objective import LossTerms, default_gamma, slot_weights
 from dflash.drafter.step import DrafterStep, StepSettings
+from dflash.drafter.vocab import choose_draft_vocabulary, coverage
 from dflash.eval.periodic import ProbeSequences
 from dflash.placement.distributed import RankInfo
 from dflash.placement.topology import DrafterParallelism, Topology
@@ -99,13 +100,7 @@ def build_drafter_run(ctx: RankContext) -> DrafterRun:
     config, dcfg, topology = ctx.config, ctx.dcfg, ctx.topology
     device, drafter_rank = ctx.ranks.device, ctx.drafter_rank
     is_main = drafter_rank == 0
-    torch.manual_seed(config.train.seed)  # same initial drafter whatever was loaded before
-    drafter = DFlashDrafter(dcfg)
-    if config.model.init_from_target_layers:
-        kept = init_from_target_layers(drafter, config.model.target, config.model.init_from_target_layers)
-        if is_main:
-            logger.info("drafter layers start from target layers %s (kept their own: %s)",
-                        config.model.init_from_target_layers, ", ".join(kept))
+    drafter = initial_drafter(ctx, log=is_main)
     embed, lm_head = frozen_embedding_and_head(config, ctx.target, device)
     ds_config = deepspeed_config(config, device)
     newest = resume_point(ctx.out_dir, log=is_main) if config.train.resume else None
@@ -153,6 +148,34 @@ def build_drafter_run(ctx: RankContext) -> DrafterRun:
         total_steps=total_steps, start_epoch=start_epoch, drafter_rank=drafter_rank, is_main=is_main,
         initial_dir=initial_dir, recipe=recipe_settings(config.train),
     )
+
+
+def initial_drafter(ctx: RankContext, log: bool) -> DFlashDrafter:
+    """The drafter before training: seeded, so the same whatever was loaded before; its layers
+    copied from the target's where --init-from-target-layers says; its draft vocabulary set."""
+    config = ctx.config
+    torch.manual_seed(config.train.seed)
+    drafter = DFlashDrafter(ctx.dcfg)
+    if config.model.draft_vocab:
+        set_draft_vocabulary(drafter, ctx.dataset, ctx.tokenizer, log=log)
+    if config.model.init_from_target_layers:
+        kept = init_from_target_layers(drafter, config.model.target, config.model.init_from_target_layers)
+        if log:
+            logger.info("drafter layers start from target layers %s (kept their own: %s)",
+                        config.model.init_from_target_layers, ", ".join(kept))
+    return drafter
+
+
+def set_draft_vocabulary(drafter: DFlashDrafter, dataset: TokenDataset, tokenizer, log: bool) -> None:
+    """--draft-vocab N: the N tokens most frequent in the training replies (and the end of
+    sequence), from the prepared data, so every drafter rank (and a resumed run) picks the same."""
+    counts = dataset.reply_token_counts(drafter.config.vocab_size)
+    always = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    ids = choose_draft_vocabulary(counts, len(drafter.draft_to_target), always)
+    drafter.draft_to_target.copy_(ids)
+    if log:
+        logger.info("draft vocabulary: the %s tokens most frequent in the replies (of %s) hold %.3f%% of their %s "
+                    "tokens", f"{len(ids):,}", f"{len(counts):,}", 100 * coverage(counts, ids), f"{counts.sum():,}")
 
 
 def make_optimizer(config: RunConfig, drafter, ds_config: dict, device: torch.device):
@@ -240,7 +263,7 @@ def draft_position_limit(config: RunConfig, dcfg, drafter, ds_config: dict, draf
     shapes = MemoryShapes(
         hidden=dcfg.hidden_size, intermediate=dcfg.intermediate_size, kv_width=dcfg.num_key_value_heads * dcfg.head_dim,
         layers=dcfg.num_hidden_layers, num_features=len(dcfg.dflash_config["target_layer_ids"]),
-        vocab=dcfg.vocab_size, anchors=config.train.max_anchors, block_size=dcfg.block_size,
+        vocab=head_vocab_size(dcfg), anchors=config.train.max_anchors, block_size=dcfg.block_size,
     )
     try:
         budget = draft_position_budget(

@@ -46,6 +46,7 @@ from dflash.training.run_report import RunReport, held_out_probe
 from dflash.training.schedules import feature_noise_std
 from dflash.training.shard import prepare_train_shard, train_shard_dir
 from dflash.training.spike import StepTally, gradient_scaled, weights_norm
+from dflash.util.cli import ConfigError
 from dflash.util.phases import PhaseClock
 
 logger = logging.getLogger(__name__)
@@ -79,8 +80,11 @@ def build_drafter_config(config: RunConfig, tokenizer, thinking: str):
     layer_ids = config.model.target_layer_ids or default_target_layer_ids(num_layers, config.model.num_target_features)
     check_target_layer_ids(layer_ids, num_layers)
     mask_id = resolve_mask_token_id(tokenizer, target_config, config.model.mask_token_id)
+    if config.model.draft_vocab > target_config.vocab_size:
+        raise ConfigError(f"--draft-vocab {config.model.draft_vocab}: the target has {target_config.vocab_size:,} "
+                          "tokens; use fewer (0: every token)")
     dcfg = drafter_config(target_config, config.model.num_draft_layers, layer_ids, config.model.block_size, mask_id,
-                          window=config.model.draft_window)
+                          window=config.model.draft_window, draft_vocab=config.model.draft_vocab)
     dcfg.dflash_config["thinking"] = thinking
     return dcfg
 

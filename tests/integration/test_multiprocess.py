@@ -83,10 +83,12 @@ def test_placements_train(tiny_setup, tmp_path, nproc, placement, expect):
 
 
 def test_the_final_eval_is_spread_over_the_target_ranks_and_checked_in_float32_on_rank_0(tiny_setup, tmp_path):
-    """Split with two target ranks (and the KL term, whose final hidden states travel too): the two
-    share the held-out prompts in bfloat16, rank 0 adds their tallies up and decodes the first
-    prompts in float32 meanwhile, where speculative decoding must equal greedy."""
-    proc = run_trainer(tiny_args(tiny_setup, tmp_path, "--target-ranks", "2", "--kl-weight", "0.5", "--eval-data",
+    """Split with two target ranks (and the KL term, whose final hidden states travel too, and a
+    draft vocabulary, which the drafter rank cuts from the lm_head it loads alone): the two share
+    the held-out prompts in bfloat16, rank 0 adds their tallies up and decodes the first prompts in
+    float32 meanwhile, where speculative decoding must equal greedy."""
+    proc = run_trainer(tiny_args(tiny_setup, tmp_path, "--target-ranks", "2", "--kl-weight", "0.5", "--draft-vocab",
+                                 "40", "--eval-data",
                                  str(tiny_setup["heldout"]), "--eval-prompts", "3", "--eval-max-new-tokens", "8",
                                  "--eval-dtype", "bfloat16", "--eval-lossless-prompts", "2"), nproc=3)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -101,6 +103,8 @@ def test_the_final_eval_is_spread_over_the_target_ranks_and_checked_in_float32_o
         assert reports[name]["tokens"] >= 3 and reports[name]["teacher_forced_tau"] >= 1
     exact = reports["trained_float32"]
     assert exact["prompts"] == 2 and exact["dtype"] == "float32" and exact["lossless"], exact
+    assert "draft vocabulary: the 40 tokens most frequent in the replies" in proc.stderr
+    assert json.loads((tmp_path / "drafter" / "config.json").read_text())["dflash_config"]["draft_vocab_size"] == 40
 
 
 def test_zero_over_two_drafter_ranks_applies_the_gradient_of_the_doubled_batch(tmp_path):
