@@ -81,6 +81,7 @@ class TrainArgs:
     transport_timeout_s: float = field(default=300.0, metadata={"help": "split mode: a peer silent this long ends the run"})
     epochs: int | None = field(default=None, metadata={"help": "recipe 6, demo 4"})
     max_steps: int = field(default=-1, metadata={"help": "stop after this many optimizer steps (-1: all epochs)"})
+    max_minutes: float | None = field(default=None, metadata={"help": "train for this many minutes (steps, periodic evals and checkpoints; not set-up or the final eval): the steps that fit are estimated as the run goes and the LR curve spread over them; --epochs and --max-steps still cap the run"})
     lr: float = field(default=6e-4, metadata={"help": "peak learning rate (AdamW; with Muon, of the 1-D weights)"})
     optimizer: str = field(default="adamw", metadata={"help": "adamw | muon (DeepSpeed's Muon for the 2-D weights, AdamW for the rest)"})
     muon_lr: float = field(default=0.2, metadata={"help": "--optimizer muon: peak learning rate of the 2-D weights (spectral norm per step)"})
@@ -240,7 +241,7 @@ def _require(ok: bool, message: str) -> None:
 # --epochs or --max-steps); a changed loss would train another objective.
 RECIPE_FLAGS = ("loss", "dpace_alpha", "dpace_weight", "slot_weights", "gamma", "anchors", "zero_features",
                 "kl_weight", "feature_noise_std", "optimizer", "lr", "muon_lr", "weight_decay", "grad_clip",
-                "lr_schedule", "warmup_ratio", "decay_ratio", "epochs", "max_steps")
+                "lr_schedule", "warmup_ratio", "decay_ratio", "epochs", "max_steps", "max_minutes")
 
 
 def recipe_settings(t: TrainArgs) -> dict:
@@ -408,6 +409,8 @@ def _validate_optimization(t: TrainArgs) -> None:
     validate_recipe(t)
     _require(t.epochs >= 1, f"--epochs {t.epochs}: need at least 1 (a run of 0 epochs would export an untrained drafter)")
     _require(t.max_steps == -1 or t.max_steps >= 1, f"--max-steps {t.max_steps}: use -1 (all epochs) or >= 1")
+    _require(t.max_minutes is None or (math.isfinite(t.max_minutes) and t.max_minutes > 0),
+             f"--max-minutes {t.max_minutes}: use a positive number of minutes")
     _require(t.log_every >= 1, f"--log-every {t.log_every}: need at least 1")
     _require(t.eval_every >= 0, f"--eval-every {t.eval_every}: use 0 (off) or a step count")
     _require(t.profile_steps >= 0, f"--profile-steps {t.profile_steps}: use 0 (off) or a step count")

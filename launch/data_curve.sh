@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # Held-out tau against distinct training samples at one GPU budget. dflash.data.prompts builds the
 # largest size's prompts (ShareGPT, LeetCode, then user turns the target writes itself), the target
-# answers them once, and for each size K of SIZES a drafter trains STEPS steps on the first K replies
-# (the prompts are shuffled, so each K samples the same mix; equal steps of equal tokens are equal
-# GPU time). Each run's final eval decodes the held-out ShareGPT prompts in bfloat16 at 128 new
-# tokens against the fast greedy loop; EVAL_NEW adds lengths through dflash.eval.
-#   SIZES="10000 30000" STEPS=1500 bash launch/data_curve.sh
+# answers them once, and for each size K of SIZES a drafter trains MINUTES minutes on the first K
+# replies (--max-minutes: the same GPU time for every size; the prompts are shuffled, so each K
+# samples the same mix). Each run's final eval decodes the held-out ShareGPT prompts in bfloat16 at
+# 128 new tokens against the fast greedy loop; EVAL_NEW adds lengths through dflash.eval.
+#   SIZES="10000 30000" MINUTES=4 bash launch/data_curve.sh
 # Knobs (environment), besides PYTHON, MODEL and TARGET of launch/real.sh:
 #   RUN=runs/data_curve  output: data/, n<K>/ (one run per size), eval_n<K>_<tokens>.json, curve.json
 #   SIZES="10000 30000 100000"  distinct prompts per run
 #   CODE_SHARE=0.5     share of code requests among the prompts
 #   MAX_NEW=384        the reply length limit
-#   STEPS=1500         optimizer steps per run
+#   MINUTES=4          training minutes per run (steps, periodic evals and checkpoints)
+#   EVAL_EVERY=250     steps between periodic held-out taus
 #   EVAL_PROMPTS=64    held-out prompts per eval
 #   EVAL_NEW=""        further eval lengths (new tokens per prompt)
 #   EXTRA_TRAIN_FLAGS  more train_drafter.py flags for every run
@@ -34,8 +35,8 @@ for size in $SIZES; do
   head -n "$size" "$DATA/regen.jsonl" > "$DATA/regen_n$size.jsonl"
   # shellcheck disable=SC2086  # EXTRA_TRAIN_FLAGS is a list of flags
   "$PY" train_drafter.py --target "$TARGET" --train-data "$DATA/regen_n$size.jsonl" --eval-data "$DATA/heldout.jsonl" \
-    --output-dir "$RUN/n$size" --overwrite --max-length 2048 --epochs 1000 --max-steps "${STEPS:-1500}" \
-    --max-tokens 32768 --eval-every "$(( (${STEPS:-1500} + 3) / 4 ))" --eval-dtype bfloat16 \
+    --output-dir "$RUN/n$size" --overwrite --max-length 2048 --epochs 1000 --max-minutes "${MINUTES:-4}" \
+    --max-tokens 32768 --eval-every "${EVAL_EVERY:-250}" --eval-dtype bfloat16 \
     --eval-prompts "${EVAL_PROMPTS:-64}" --eval-max-new-tokens 128 --report-to none \
     ${MASK_ID:+--mask-token-id "$MASK_ID"} ${EXTRA_TRAIN_FLAGS:-}
   for new in ${EVAL_NEW:-}; do

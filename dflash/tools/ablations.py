@@ -8,6 +8,12 @@ as mean and spread.
     python -m dflash.tools.ablations --out runs/ablations --table-only   # what has finished so far
     python -m dflash.tools.ablations --out runs/abl_real --baseline "" --groups distillation --seeds 0 \
         --extra "--target model.gguf --train-data regen.jsonl --eval-data heldout.jsonl --max-steps 400"
+    python -m dflash.tools.ablations --out runs/small --baseline "" --seeds 0 \
+        --groups "anchors per sequence,block size,draft layers,learning rate,draft vocabulary" \
+        --extra "--target model.gguf --train-data regen.jsonl --eval-data heldout.jsonl --max-minutes 3"
+
+The last probes a small target's recipe at equal GPU time: --max-minutes gives every variant the
+same minutes, whatever its step costs.
 
 The baseline is `--loss ce --lr-schedule cosine` unless --baseline says otherwise ("" for the
 recipe's own defaults, e.g. on a real target); one --out holds one baseline's runs.
@@ -52,6 +58,11 @@ GROUPS: dict[str, list[tuple[str, list[str]]]] = {
     "features": [("target's", []), ("zeroed (control)", ["--zero-features"])],
     "distillation": [("off", []), ("kl 1", ["--kl-weight", "1"])],
     "feature noise": [("off", []), ("0.1", ["--feature-noise-std", "0.1"])],
+    # what a small target's drafter learns per GPU-minute: probe these at equal time (--extra "--max-minutes M")
+    "anchors per sequence": [("default", []), ("256", ["--max-anchors", "256"]), ("128", ["--max-anchors", "128"])],
+    "block size": [("default", []), ("8", ["--block-size", "8"]), ("16", ["--block-size", "16"])],
+    "learning rate": [("6e-4", []), ("3e-4", ["--lr", "3e-4"]), ("1.2e-3", ["--lr", "1.2e-3"])],
+    "draft vocabulary": [("every token", []), ("32768", ["--draft-vocab", "32768"])],
 }
 
 

@@ -32,6 +32,7 @@ from dflash.target.frozen import FrozenTarget
 from dflash.training.checkpoint import (Checkpointer, CheckpointError, checkpoint_dir, load_checkpoint,
                                         newest_intact_checkpoint, saved_batching, saved_drafter_ranks, saved_recipe)
 from dflash.training.memory import MemoryBudgetError, MemoryShapes, draft_position_budget, free_device_bytes
+from dflash.training.budget import TimeBudget
 from dflash.training.schedules import LRSchedule, planned_total_steps
 from dflash.training.spike import SpikeGuard, StepTally
 from dflash.util.cli import ConfigError
@@ -72,6 +73,7 @@ class DrafterRun:
     sampler: RankAwareBucketSampler
     step: DrafterStep
     scheduler: torch.optim.lr_scheduler.LambdaLR
+    lr_schedule: LRSchedule  # the scheduler's curve, which a --max-minutes estimate spreads anew
     checkpointer: Checkpointer
     guard: SpikeGuard
     tally: StepTally
@@ -82,6 +84,7 @@ class DrafterRun:
     is_main: bool
     initial_dir: Path  # the untrained drafter, exported for the before/after eval
     recipe: dict  # the recipe flags every checkpoint records, so that a resume can check them
+    budget: TimeBudget | None  # --max-minutes
 
     @property
     def finished(self) -> bool:
@@ -91,7 +94,7 @@ class DrafterRun:
         """What a checkpoint taken after this batch step records besides the engine's state."""
         sampler = {**self.sampler.state_dict(), "epoch": epoch, "position": batch_step + 1}
         return {"sampler": sampler, "recipe": self.recipe, "spike_guard": self.guard.state_dict(),
-                "step_tally": self.tally.state_dict()}
+                "step_tally": self.tally.state_dict(), **({"time_budget": self.budget.state_dict()} if self.budget else {})}
 
 
 def build_drafter_run(ctx: RankContext) -> DrafterRun:
@@ -137,16 +140,19 @@ def build_drafter_run(ctx: RankContext) -> DrafterRun:
         )
     start_epoch = 0
     guard, tally = SpikeGuard(config.train.spike_factor, group=ctx.data_group), StepTally()
+    budget = TimeBudget(config.train.max_minutes, total_steps, ctx.data_group, device) \
+        if config.train.max_minutes else None
     if config.train.resume:
-        start_epoch, total_steps = resume(ctx, newest, engine, sampler, lr_schedule, steps_per_epoch, guard, tally)
+        start_epoch, total_steps = resume(ctx, newest, engine, sampler, lr_schedule, steps_per_epoch, guard, tally,
+                                          budget)
     checkpointer = Checkpointer(engine, ctx.out_dir, config.train.save_every, config.train.keep_checkpoints,
                                 drafter_rank, len(topology.drafter_ranks), ctx.data_group,
                                 minutes=config.train.save_every_minutes)
     return DrafterRun(
         engine=engine, sampler=sampler, step=DrafterStep(engine.module, embed, lm_head, settings, forward=engine),
-        scheduler=scheduler, checkpointer=checkpointer, guard=guard, tally=tally, anchors=anchors,
-        total_steps=total_steps, start_epoch=start_epoch, drafter_rank=drafter_rank, is_main=is_main,
-        initial_dir=initial_dir, recipe=recipe_settings(config.train),
+        scheduler=scheduler, lr_schedule=lr_schedule, checkpointer=checkpointer, guard=guard, tally=tally,
+        anchors=anchors, total_steps=total_steps, start_epoch=start_epoch, drafter_rank=drafter_rank, is_main=is_main,
+        initial_dir=initial_dir, recipe=recipe_settings(config.train), budget=budget,
     )
 
 
@@ -318,11 +324,11 @@ def resume_point(out_dir: Path, log: bool) -> Path | None:
 
 
 def resume(ctx: RankContext, path: Path | None, engine, sampler: RankAwareBucketSampler, lr_schedule: LRSchedule,
-           steps_per_epoch: int, guard: SpikeGuard, tally: StepTally) -> tuple[int, int]:
-    """Load the checkpoint at `path` (the resume_point), if any, with the spike guard's and the
-    step tally's state; return the epoch to continue in and the run's total steps. A checkpoint
-    of another drafter-rank count has the rest of its epoch planned anew, and the LR curve is
-    stretched over it."""
+           steps_per_epoch: int, guard: SpikeGuard, tally: StepTally, budget: TimeBudget | None) -> tuple[int, int]:
+    """Load the checkpoint at `path` (the resume_point), if any, with the spike guard's, the
+    step tally's and the time budget's state; return the epoch to continue in and the run's total
+    steps. A checkpoint of another drafter-rank count has the rest of its epoch planned anew, and
+    the LR curve is stretched over it (under --max-minutes, the next estimate plans it again)."""
     config = ctx.config
     if path is None:
         logger.info("--resume: no complete checkpoint under %s, starting from scratch", config.train.output_dir)
@@ -340,6 +346,8 @@ def resume(ctx: RankContext, path: Path | None, engine, sampler: RankAwareBucket
     else:
         logger.warning("--resume: %s records no spike-guard state (an older checkpoint); the guard warms up "
                        "again", path)
+    if budget is not None and "time_budget" in state:
+        budget.load_state_dict(state["time_budget"])
     logger.info("resumed from %s at step %d, %s", path, engine.global_steps, sampler.progress())
     epoch = int(state["sampler"]["epoch"])
     if saved_ranks == sampler.num_replicas:

@@ -236,6 +236,8 @@ def train_steps(ctx: RankContext, run: DrafterRun, report: RunReport, source: Fe
     step the tally judges it (skipped, or blown up) before the checkpointer may save it."""
     clock, tally = report.clock, run.tally
     norm = weights_norm(run.engine.module, ctx.data_group)
+    if run.budget is not None:
+        run.budget.start(run.engine.global_steps)
     for window in accumulation_windows(epoch_batches(ctx, run, source, clock), ctx.config.train.grad_accum):
         before, stepped, whole_skip = (run.engine.global_steps, run.engine.skipped_steps), False, False
         blocks, denominators, per_micro = plan_window(ctx, run, window, clock)
@@ -269,7 +271,22 @@ def train_steps(ctx: RankContext, run: DrafterRun, report: RunReport, source: Fe
             run.checkpointer.wait()  # the save in flight, committed, is the newest checkpoint
             raise tally.error(ctx.config.train.lr, latest_checkpoint(ctx.out_dir))
         if stepped:
+            fit_to_budget(run)
             run.checkpointer.maybe_save(run.engine.global_steps, run.trainer_state(epoch, batch_step))
+
+
+def fit_to_budget(run: DrafterRun) -> None:
+    """Under --max-minutes, at an estimate step: the steps that fit become the run's total and the
+    rest of the LR curve is spread over them (dflash/training/budget.py)."""
+    step = run.engine.global_steps
+    total = run.budget.replan(step) if run.budget is not None else None
+    if total is None or total == run.total_steps:
+        return
+    if run.is_main and (step == run.budget.first_estimate or total == step):
+        logger.info("--max-minutes %g: %.1f minutes spent after step %d; the run's total is now %d steps",
+                    run.budget.budget_s / 60, run.budget.spent() / 60, step, total)
+    run.lr_schedule.rebase(step, total)
+    run.total_steps = total
 
 
 def kept_loss(ctx: RankContext, run: DrafterRun, loss: torch.Tensor, skipped: list[bool],

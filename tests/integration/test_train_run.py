@@ -102,3 +102,23 @@ def test_on_a_gpu_the_final_eval_runs_in_bfloat16_with_a_float32_check(tiny_setu
     assert [(name, r["dtype"], r["prompts"]) for name, r in reports.items()] == [
         ("untrained", "bfloat16", 3), ("trained", "bfloat16", 3), ("trained_float32", "float32", 2)]
     assert reports["trained_float32"]["lossless"]
+
+
+def test_a_budget_of_minutes_ends_the_run_on_time_with_the_lr_decayed(tiny_setup, tmp_path):
+    """--max-minutes with 1000 epochs: the steps that fit are estimated as the run goes, the LR
+    curve ends at the last of them, and checkpoints record the time spent."""
+    out = tmp_path / "run"
+    budget_s = 6.0
+    proc = run_trainer(tiny_args(tiny_setup, out, "--max-steps", "-1", "--epochs", "1000", "--max-minutes",
+                                 str(budget_s / 60), "--log-every", "1", "--save-every", "40"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"--max-minutes {budget_s / 60:g}: " in proc.stderr and "the run's total is now" in proc.stderr
+    trained = proc.stderr.split("trained ")[1]
+    steps, seconds = int(trained.split()[0]), float(trained.split(" in ")[1].split()[0])
+    assert 0.7 * budget_s <= seconds <= 1.3 * budget_s + 1.0, trained[:80]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"lr"' in line]
+    assert records[-1]["step"] == steps > 40
+    assert max(r["lr"] for r in records) == pytest.approx(6e-4) and records[-1]["lr"] < 0.25 * 6e-4
+    saved = max((out / "checkpoints").glob("step_*"), key=lambda path: int(path.name.split("_")[1]))
+    state = json.loads((saved / "trainer_state.json").read_text())
+    assert 0 < state["time_budget"]["spent_s"] < seconds

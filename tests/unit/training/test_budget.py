@@ -1,0 +1,67 @@
+"""Tests for dflash.training.budget: the steps that fit a budget of minutes, and when they are
+estimated (a fake clock stands for the run's time)."""
+
+from __future__ import annotations
+
+from dflash.training.budget import FIRST_ESTIMATE, REPLAN_EVERY, TimeBudget, steps_that_fit
+from dflash.training.schedules import LRSchedule
+
+
+def test_the_steps_that_fit_are_the_rest_of_the_budget_at_the_pace_capped():
+    assert steps_that_fit(step=10, spent_s=20.0, seconds_per_step=2.0, budget_s=60.0, cap=1000) == 30
+    assert steps_that_fit(step=10, spent_s=20.0, seconds_per_step=2.0, budget_s=60.0, cap=25) == 25
+    assert steps_that_fit(step=10, spent_s=61.0, seconds_per_step=2.0, budget_s=60.0, cap=1000) == 10
+    assert steps_that_fit(step=10, spent_s=59.0, seconds_per_step=2.0, budget_s=60.0, cap=1000) == 10
+    assert steps_that_fit(step=40, spent_s=20.0, seconds_per_step=2.0, budget_s=60.0, cap=25) == 40
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_estimates_come_after_the_first_steps_then_every_few_and_follow_the_pace():
+    clock = FakeClock()
+    budget = TimeBudget(minutes=1.0, cap=10_000, clock=clock)
+    budget.start(step=0)
+    totals = {}
+    for step in range(1, 40):
+        clock.now += 5.0 if step == 1 else 0.5  # the first step compiles
+        totals[step] = budget.replan(step)
+    estimates = {step: total for step, total in totals.items() if total is not None}
+    assert sorted(estimates) == list(range(FIRST_ESTIMATE, 40, REPLAN_EVERY))
+    # after 3 steps: 6 s spent at 2 s a step -> 27 more; later the pace is 0.5 s a step
+    assert estimates[FIRST_ESTIMATE] == FIRST_ESTIMATE + int((60 - 6.0) / 2.0)
+    step = FIRST_ESTIMATE + REPLAN_EVERY
+    assert estimates[step] == step + int((60 - 6.0 - 0.5 * REPLAN_EVERY) / 0.5)
+
+
+def test_a_resumed_budget_goes_on_with_the_time_spent_before():
+    clock = FakeClock()
+    first = TimeBudget(minutes=1.0, cap=10_000, clock=clock)
+    first.start(step=0)
+    clock.now += 50.0
+    saved = first.state_dict()
+    assert saved == {"spent_s": 50.0}
+    clock.now += 1000.0  # the crash and the restart do not count
+    resumed = TimeBudget(minutes=1.0, cap=10_000, clock=clock)
+    resumed.load_state_dict(saved)
+    resumed.start(step=20)
+    clock.now += 3 * 1.0
+    assert resumed.replan(20 + FIRST_ESTIMATE) == 20 + FIRST_ESTIMATE + int((60 - 53.0) / 1.0)
+    clock.now += 10.0
+    assert resumed.replan(20 + FIRST_ESTIMATE + REPLAN_EVERY) == 20 + FIRST_ESTIMATE + REPLAN_EVERY
+
+
+def test_the_lr_curve_spread_over_an_estimate_keeps_its_shape_and_ends_at_the_last_step():
+    curve = LRSchedule(total_steps=100_000, warmup_ratio=0.04, kind="wsd", decay_ratio=0.2)
+    value = curve(3)
+    curve.rebase(3, 503)  # the first estimate: 500 more steps fit
+    assert curve(3) == value
+    assert curve.last_step() == 503
+    lrs = [curve(step) for step in range(3, 504)]
+    assert max(lrs) == 1.0 and lrs[-1] == 0.0
+    assert abs(sum(lr < 1.0 for lr in lrs[30:]) - 100) <= 1  # the decay: the last 20% of the 500 steps
