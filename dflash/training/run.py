@@ -283,8 +283,8 @@ def fit_to_budget(run: DrafterRun) -> None:
     if total is None or total == run.total_steps:
         return
     if run.is_main and (step == run.budget.first_estimate or total == step):
-        logger.info("--max-minutes %g: %.1f minutes spent after step %d; the run's total is now %d steps",
-                    run.budget.budget_s / 60, run.budget.spent() / 60, step, total)
+        logger.info("--max-minutes %g: %.1f s spent after step %d; the run's total is now %d steps",
+                    run.budget.budget_s / 60, run.budget.spent(), step, total)
     run.lr_schedule.rebase(step, total)
     run.total_steps = total
 

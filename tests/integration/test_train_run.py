@@ -105,12 +105,14 @@ def test_on_a_gpu_the_final_eval_runs_in_bfloat16_with_a_float32_check(tiny_setu
 
 
 def test_a_budget_of_minutes_ends_the_run_on_time_with_the_lr_decayed(tiny_setup, tmp_path):
-    """--max-minutes with 1000 epochs: the steps that fit are estimated as the run goes, the LR
-    curve ends at the last of them, and checkpoints record the time spent."""
+    """--max-minutes with 1000 epochs, split over 2 drafter ranks and a target rank: the steps that
+    fit are estimated as the run goes (the drafter ranks agree on them), the LR curve ends at the
+    last of them, and checkpoints record the time spent."""
     out = tmp_path / "run"
     budget_s = 6.0
     proc = run_trainer(tiny_args(tiny_setup, out, "--max-steps", "-1", "--epochs", "1000", "--max-minutes",
-                                 str(budget_s / 60), "--log-every", "1", "--save-every", "40"))
+                                 str(budget_s / 60), "--log-every", "1", "--save-every", "40", "--target-ranks", "1"),
+                       nproc=3)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"--max-minutes {budget_s / 60:g}: " in proc.stderr and "the run's total is now" in proc.stderr
     trained = proc.stderr.split("trained ")[1]
