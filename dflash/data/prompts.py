@@ -7,6 +7,7 @@ leave missing, with the held-out conversations kept out of all of them.
 What --out-dir holds afterwards:
   heldout.jsonl, train_prompts.jsonl   dflash.data.sharegpt's split (reused when both exist)
   leetcode_prompts.jsonl               dflash.data.leetcode's problems (reused when it exists)
+  registry_prompts.jsonl               the registry prompts taken
   magpie_prompts.jsonl                 dflash.data.magpie's turns: only as many as are missing
   prompts.jsonl                        the N prompts, shuffled (--seed)
   prompts.json                         what came from where, and how many look like code
@@ -129,8 +130,8 @@ def check_args(args: PromptsArgs) -> None:
 
 
 def registry_prompts(args: PromptsArgs, out: Path) -> dict[str, list[dict]]:
-    """Each registry source's prompts (its file in --out-dir, built unless it is there), and
-    heldout.jsonl, which ShareGPT's split always writes: every source keeps its turns out."""
+    """Each registry source's prompts (its file in --out-dir, built unless it is there). ShareGPT's
+    split is built in any case: its heldout.jsonl holds the turns every source keeps out."""
     heldout, train = out / sharegpt.HELDOUT_FILE, out / sharegpt.TRAIN_FILE
     if not (heldout.is_file() and train.is_file()):
         sharegpt.build_prompts(sharegpt.ShareGPTArgs(out_dir=str(out), source=args.sharegpt_source,
