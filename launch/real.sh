@@ -20,7 +20,8 @@
 #   MAX_NEW=384        reply tokens the target writes per prompt
 #   BATCH_TOKENS=0     regeneration batch cap, rows x (longest prompt + MAX_NEW); 0: sized from the
 #                      target's shapes and the free GPU memory
-#   EPOCHS=3           training epochs (3: 16 minutes of training on an H200, tau 3.19 at 384 tokens)
+#   EPOCHS=3           training epochs (SmolLM2-135M: 3 took 16 minutes on an H200, tau 3.19 at 384 tokens)
+#   MINUTES            train this many minutes instead (--max-minutes; EPOCHS then only caps the run)
 #   MAX_TOKENS=32768   tokens per micro-batch (a 135M target leaves the GPU idle at the recipe's 8192)
 #   MASK_ID            the drafter's mask token (default: a spare embedding row, found automatically;
 #                      16, <empty_output>, for smollm2-135m, whose tokenizer uses every row)
@@ -45,9 +46,11 @@ else
 fi
 
 started=$SECONDS
+epochs=${EPOCHS:-3}
+[ -z "${MINUTES:-}" ] || epochs=${EPOCHS:-1000}  # the minutes end the run
 # shellcheck disable=SC2086  # EXTRA_TRAIN_FLAGS is a list of flags
 "$PY" train_drafter.py --target "$TARGET" --train-data "$DATA/regen.jsonl" --eval-data "$DATA/heldout.jsonl" \
-  --output-dir "$RUN" --max-length 2048 --epochs "${EPOCHS:-3}" \
+  --output-dir "$RUN" --max-length 2048 --epochs "$epochs" ${MINUTES:+--max-minutes "$MINUTES"} \
   --max-tokens "${MAX_TOKENS:-32768}" ${MASK_ID:+--mask-token-id "$MASK_ID"} ${EXTRA_TRAIN_FLAGS:-}
 train_seconds=$((SECONDS - started))
 
