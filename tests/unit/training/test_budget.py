@@ -23,20 +23,23 @@ class FakeClock:
         return self.now
 
 
-def test_estimates_come_after_the_first_steps_then_every_few_and_follow_the_pace():
+def test_estimates_come_after_the_first_steps_then_every_few_and_follow_the_pace_since_the_first():
     clock = FakeClock()
     budget = TimeBudget(minutes=1.0, cap=10_000, clock=clock)
     budget.start(step=0)
     totals = {}
     for step in range(1, 40):
         clock.now += 5.0 if step == 1 else 0.5  # the first step compiles
+        clock.now += 2.5 if step == 20 else 0.0  # a periodic eval
         totals[step] = budget.replan(step)
     estimates = {step: total for step, total in totals.items() if total is not None}
     assert sorted(estimates) == list(range(FIRST_ESTIMATE, 40, REPLAN_EVERY))
-    # after 3 steps: 6 s spent at 2 s a step -> 27 more; later the pace is 0.5 s a step
+    # after 3 steps: 6 s spent at 2 s a step -> 27 more; then the pace since step 3 (the eval included)
     assert estimates[FIRST_ESTIMATE] == FIRST_ESTIMATE + int((60 - 6.0) / 2.0)
     step = FIRST_ESTIMATE + REPLAN_EVERY
     assert estimates[step] == step + int((60 - 6.0 - 0.5 * REPLAN_EVERY) / 0.5)
+    step, spent = FIRST_ESTIMATE + 2 * REPLAN_EVERY, 6.0 + 0.5 * 2 * REPLAN_EVERY + 2.5
+    assert estimates[step] == step + int((60 - spent) / ((spent - 6.0) / (2 * REPLAN_EVERY)))
 
 
 def test_a_resumed_budget_goes_on_with_the_time_spent_before():
@@ -52,7 +55,7 @@ def test_a_resumed_budget_goes_on_with_the_time_spent_before():
     resumed.start(step=20)
     clock.now += 3 * 1.0
     assert resumed.replan(20 + FIRST_ESTIMATE) == 20 + FIRST_ESTIMATE + int((60 - 53.0) / 1.0)
-    clock.now += 10.0
+    clock.now += 10.0  # the budget is spent: the run ends here
     assert resumed.replan(20 + FIRST_ESTIMATE + REPLAN_EVERY) == 20 + FIRST_ESTIMATE + REPLAN_EVERY
 
 
