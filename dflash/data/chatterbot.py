@@ -8,10 +8,10 @@ is read, nothing of it is imported).
 
 The first turn of each conversation in the file makes one prompt, {"id": "chatterbot:<n>",
 "messages": [{"role": "user", "content": ...}]}, in the file's order. A turn is dropped, and
-counted, when it repeats an earlier one (after normalising case, punctuation and spacing), or a user turn of a --heldout file (exactly or as a
-near-duplicate, as in dflash.data.leetcode). The corpus's other files are small talk (greetings,
-food, gossip; tech_support.yml repeats 10 distinct turns), which teaches a coder target's drafter
-little, so only coding.yml is read by default.
+counted, when it repeats an earlier one (after normalising case, punctuation and spacing), or a
+user turn of a --heldout file (exactly or as a near-duplicate, as in dflash.data.leetcode). The
+corpus's other files are small talk (greetings, food, gossip; tech_support.yml repeats 10 distinct
+turns), which teaches a coder target's drafter little, so only coding.yml is read by default.
 """
 
 from __future__ import annotations

@@ -109,7 +109,8 @@ def pick_registry_prompts(records: list[dict], n: int, code_share: float | None,
     else:
         code = round(code_share * n)
         quota = {True: code, False: n - code}
-        classes = {True: [r for r in records if is_code_request(r)], False: [r for r in records if not is_code_request(r)]}
+        code_requests = [is_code_request(r) for r in records]
+        classes = {kind: [r for r, code in zip(records, code_requests) if code == kind] for kind in (True, False)}
     taken: list[dict] = []
     for kind, members in classes.items():
         rng.shuffle(members)
@@ -121,7 +122,8 @@ def check_args(args: PromptsArgs) -> None:
     unknown = [s for s in args.sources if s not in SOURCES and s != "none"]
     problems = [
         (args.n >= 1, f"--n {args.n}: use at least 1"),
-        (args.code_share is None or 0 <= args.code_share <= 1, f"--code-share {args.code_share}: use a share in [0, 1]"),
+        (args.code_share is None or 0 <= args.code_share <= 1,
+         f"--code-share {args.code_share}: use a share in [0, 1]"),
         (not unknown, f"--sources {' '.join(unknown)}: use any of {', '.join(SOURCES)}, or none"),
         (args.heldout >= 1, f"--heldout {args.heldout}: use at least 1"),
     ]

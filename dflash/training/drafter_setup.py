@@ -29,10 +29,10 @@ from dflash.eval.periodic import ProbeSequences
 from dflash.placement.distributed import RankInfo
 from dflash.placement.topology import DrafterParallelism, Topology
 from dflash.target.frozen import FrozenTarget
+from dflash.training.budget import TimeBudget
 from dflash.training.checkpoint import (Checkpointer, CheckpointError, checkpoint_dir, load_checkpoint,
                                         newest_intact_checkpoint, saved_batching, saved_drafter_ranks, saved_recipe)
 from dflash.training.memory import MemoryBudgetError, MemoryShapes, draft_position_budget, free_device_bytes
-from dflash.training.budget import TimeBudget
 from dflash.training.schedules import LRSchedule, planned_total_steps
 from dflash.training.spike import SpikeGuard, StepTally
 from dflash.util.cli import ConfigError
@@ -93,8 +93,9 @@ class DrafterRun:
     def trainer_state(self, epoch: int, batch_step: int) -> dict:
         """What a checkpoint taken after this batch step records besides the engine's state."""
         sampler = {**self.sampler.state_dict(), "epoch": epoch, "position": batch_step + 1}
+        budget = {"time_budget": self.budget.state_dict()} if self.budget else {}
         return {"sampler": sampler, "recipe": self.recipe, "spike_guard": self.guard.state_dict(),
-                "step_tally": self.tally.state_dict(), **({"time_budget": self.budget.state_dict()} if self.budget else {})}
+                "step_tally": self.tally.state_dict(), **budget}
 
 
 def build_drafter_run(ctx: RankContext) -> DrafterRun:

@@ -139,7 +139,8 @@ def registry_sources(folder: Path) -> list[str]:
         (problems / f"{name}.json").write_text(json.dumps({
             "problem_title": name.replace("_", " ").title(), "readme_description": f"Solve {name} in linear time.",
             "_solution_methods": {"list": [{"name": name, "signature": "(self, nums: list[int]) -> int"}]}}))
-    (folder / "coding.yml").write_text("conversations:\n- - can you write a python function to parse json?\n  - Sure.\n")
+    (folder / "coding.yml").write_text(
+        "conversations:\n- - can you write a python function to parse json?\n  - Sure.\n")
     return ["--sharegpt-source", str(folder / "sharegpt.json"), "--leetcode-source", str(problems),
             "--chatterbot-source", str(folder / "coding.yml"), "--heldout", "2"]
 
@@ -152,7 +153,8 @@ def test_one_command_builds_n_prompts_from_the_registry_and_the_target(writer, t
     assert prompts_main(argv) == 0
     records = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
     summary = json.loads((out / "prompts.json").read_text())
-    assert summary["taken"] == {"sharegpt": {"prompts": 6, "code_requests": summary["taken"]["sharegpt"]["code_requests"]},
+    sharegpt_code = summary["taken"]["sharegpt"]["code_requests"]
+    assert summary["taken"] == {"sharegpt": {"prompts": 6, "code_requests": sharegpt_code},
                                 "leetcode": {"prompts": 2, "code_requests": 2},
                                 "chatterbot": {"prompts": 1, "code_requests": 1},
                                 "magpie": {"prompts": 4, "code_requests": 0}}
