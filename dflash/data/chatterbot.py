@@ -27,9 +27,9 @@ from pathlib import Path
 import yaml
 
 from dflash.data.chat_formats import DataError
-from dflash.data.prompt_filters import Fingerprint, NearDuplicates, user_turns
+from dflash.data.prompt_filters import Fingerprint, heldout_index
 from dflash.util.cli import cli_parser, user_error
-from dflash.util.files import output_dir_problem, write_text_durably
+from dflash.util.files import output_file_problem, write_text_durably
 from dflash.util.runtime import setup_logging
 
 logger = logging.getLogger(__name__)
@@ -73,15 +73,10 @@ def first_turns(path: Path) -> list[str]:
 
 def build_prompts(args: ChatterBotArgs) -> tuple[int, Counter]:
     """Write --out; return (prompts written, turns dropped by reason)."""
-    for path in args.heldout:
-        if not Path(path).is_file():
-            raise DataError(f"--heldout {path}: no such file; pass a chat JSONL file")
-    problem = output_dir_problem(Path(args.out).parent) if not Path(args.out).is_dir() else "is a folder"
+    heldout = heldout_index(args.heldout, args.near_dup)
+    problem = output_file_problem(Path(args.out))
     if problem:
         raise DataError(f"--out {args.out}: {problem}; pass a file path you can write to")
-    heldout = NearDuplicates(args.near_dup)
-    for text in user_turns(args.heldout):
-        heldout.add(Fingerprint.of(text))
     seen, kept, dropped = set(), [], Counter()
     for turn in first_turns(Path(args.source) if args.source else default_source()):
         fingerprint = Fingerprint.of(turn)

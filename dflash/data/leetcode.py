@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash.data.chat_formats import DataError
-from dflash.data.prompt_filters import Fingerprint, NearDuplicates, user_turns
+from dflash.data.prompt_filters import Fingerprint, heldout_index
 from dflash.util.cli import cli_parser, user_error
-from dflash.util.files import output_dir_problem, write_text_durably
+from dflash.util.files import output_file_problem, write_text_durably
 from dflash.util.runtime import setup_logging
 
 logger = logging.getLogger(__name__)
@@ -104,21 +104,14 @@ class BuildReport:
 
 def build_prompts(args: LeetCodeArgs) -> BuildReport:
     """Read every problem file, drop the malformed and held-out ones, write --out."""
-    if not 0 < args.near_dup <= 1:
-        raise DataError(f"--near-dup {args.near_dup}: use a similarity in (0, 1]")
-    for path in args.heldout:
-        if not Path(path).is_file():
-            raise DataError(f"--heldout {path}: no such file; pass a chat JSONL file")
-    problem = output_dir_problem(Path(args.out).parent) if not Path(args.out).is_dir() else "is a folder"
+    index = heldout_index(args.heldout, args.near_dup)
+    problem = output_file_problem(Path(args.out))
     if problem:
         raise DataError(f"--out {args.out}: {problem}; pass a file path you can write to")
     source = Path(args.source) if args.source else default_source()
     files = sorted(source.glob("*.json")) if source.is_dir() else []
     if not files:
         raise DataError(f"--source {source}: no problem JSON files (*.json) there; pass the problems folder")
-    index = NearDuplicates(args.near_dup)
-    for text in user_turns(args.heldout):
-        index.add(Fingerprint.of(text))
     report, lines = BuildReport(), []
     for path in files:
         report.problems += 1

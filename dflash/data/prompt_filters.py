@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash.data.chat_formats import load_chat_jsonl
+from dflash.data.chat_formats import DataError, load_chat_jsonl
 
 MIN_ASCII_SHARE = 0.8
 NGRAM = 5  # characters per shingle
@@ -155,6 +155,20 @@ class NearDuplicates:
                 members.append(index)
         self._count += 1
         return index
+
+
+def heldout_index(paths: list[str], threshold: float) -> NearDuplicates:
+    """The user turns of the chat JSONL files `paths` (--heldout), indexed: a prompt that matches
+    one repeats a held-out turn, exactly or as a near-duplicate at `threshold`."""
+    for path in paths:
+        if not Path(path).is_file():
+            raise DataError(f"--heldout {path}: no such file; pass a chat JSONL file")
+    if not 0 < threshold <= 1:
+        raise DataError(f"--near-dup {threshold}: use a similarity in (0, 1]")
+    index = NearDuplicates(threshold)
+    for text in user_turns(paths):
+        index.add(Fingerprint.of(text))
+    return index
 
 
 def user_turns(paths: list[str]) -> list[str]:

@@ -52,8 +52,7 @@ from dflash.util.runtime import setup_logging
 logger = logging.getLogger(__name__)
 
 SOURCES = ("sharegpt", "leetcode", "chatterbot")
-LEETCODE_FILE, CHATTERBOT_FILE, MAGPIE_FILE, PROMPTS_FILE, SUMMARY_FILE = (
-    "leetcode_prompts.jsonl", "chatterbot_prompts.jsonl", "magpie_prompts.jsonl", "prompts.jsonl", "prompts.json")
+MAGPIE_FILE, PROMPTS_FILE, SUMMARY_FILE = "magpie_prompts.jsonl", "prompts.jsonl", "prompts.json"
 
 
 @dataclass
@@ -143,18 +142,18 @@ def registry_prompts(args: PromptsArgs, out: Path) -> dict[str, list[dict]]:
         sharegpt.build_prompts(sharegpt.ShareGPTArgs(out_dir=str(out), source=args.sharegpt_source,
                                                      heldout=args.heldout))
     found = {"sharegpt": read_records(train, "sharegpt")} if "sharegpt" in args.sources else {}
-    if "leetcode" in args.sources:
-        path = out / LEETCODE_FILE
-        if not path.is_file():
-            leetcode.build_prompts(leetcode.LeetCodeArgs(out=str(path), source=args.leetcode_source,
-                                                         heldout=[str(heldout)]))
-        found["leetcode"] = read_records(path, "leetcode")
-    if "chatterbot" in args.sources:
-        path = out / CHATTERBOT_FILE
-        if not path.is_file():
-            chatterbot.build_prompts(chatterbot.ChatterBotArgs(out=str(path), source=args.chatterbot_source,
-                                                               heldout=[str(heldout)]))
-        found["chatterbot"] = read_records(path, "chatterbot")
+    builders = {  # the other sources: the command that writes each one's file
+        "leetcode": lambda path: leetcode.build_prompts(leetcode.LeetCodeArgs(
+            out=str(path), source=args.leetcode_source, heldout=[str(heldout)])),
+        "chatterbot": lambda path: chatterbot.build_prompts(chatterbot.ChatterBotArgs(
+            out=str(path), source=args.chatterbot_source, heldout=[str(heldout)])),
+    }
+    for name, build_file in builders.items():
+        if name in args.sources:
+            path = out / f"{name}_prompts.jsonl"
+            if not path.is_file():
+                build_file(path)
+            found[name] = read_records(path, name)
     return found
 
 

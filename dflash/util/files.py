@@ -44,6 +44,11 @@ def output_dir_problem(path: Path) -> str | None:
     return None
 
 
+def output_file_problem(path: Path) -> str | None:
+    """Why a file cannot be written at `path`, or None: it is a folder, or its folder cannot hold it."""
+    return "is a folder" if path.is_dir() else output_dir_problem(path.parent)
+
+
 def fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
