@@ -1,15 +1,17 @@
 """A run's length from a budget of minutes (--max-minutes): the steps that fit are estimated again
 as the run goes, and the learning-rate curve is spread over them.
 
-Every REPLAN_EVERY optimizer steps from step FIRST_ESTIMATE on, the drafter ranks agree on the
-training time spent and on the pace, seconds per step (the largest over the ranks, so they plan the
-same total); the steps that fit the rest of the budget at that pace, capped by --epochs and
---max-steps, become the run's total, and LRSchedule.rebase spreads the rest of its curve over them:
-the learning rate never jumps, and its decay ends at the last step that fits. The first estimate
-takes the pace of the first steps, compilation included; later ones the pace since the first
-estimate, periodic evals and checkpoints included, since they will recur in the steps to come. A
-budget found spent ends the run at that step. Between two estimates the total stands, so a run
-ends within a few steps of its budget.
+The pace (seconds per optimizer step) is measured from step PACE_FROM on: the first steps carry the
+compilation of the first shapes, and a pace taken over them would plan a run a fraction of its
+length, whose warmup and early decay the later estimates could not undo. Every REPLAN_EVERY steps
+after PACE_FROM the drafter ranks agree on the training time spent and on that pace (the largest
+over the ranks, so they plan the same total); the steps that fit the rest of the budget at that
+pace, capped by --epochs and --max-steps, become the run's total, and LRSchedule.rebase spreads the
+rest of its curve over them: the learning rate never jumps, and its decay ends at the last step
+that fits. Before the first estimate the run follows the curve of its cap (its warmup barely
+begun). The pace includes the periodic evals and checkpoints and any later compilation, since they
+recur in the steps to come. A budget found spent ends the run at that step. Between two estimates
+the total stands, so a run ends within a few steps of its budget.
 
 Time counts from the first step: the steps, the periodic evals and the checkpoints, not the set-up
 before them or the final eval after. Checkpoints record the time spent, so a resumed run goes on
@@ -26,7 +28,7 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-FIRST_ESTIMATE = 3  # optimizer steps before the first estimate
+PACE_FROM = 3  # optimizer steps (from the run's start or resume) before the pace is measured
 REPLAN_EVERY = 10  # optimizer steps between estimates
 
 
@@ -47,14 +49,14 @@ class TimeBudget:
         self.budget_s, self.cap, self.group, self.device = 60.0 * minutes, cap, group, device
         self._spent_before, self._clock = spent_s, clock
         self._started: float | None = None
-        self._since = (0, spent_s)  # (step, spent) the pace is measured from
-        self.first_estimate = FIRST_ESTIMATE  # the step of the first estimate
+        self._since = (PACE_FROM, spent_s)  # (step, spent) the pace is measured from
+        self.first_estimate = PACE_FROM + REPLAN_EVERY  # the step of the first estimate
 
     def start(self, step: int) -> None:
         """The clock runs from now; `step`: the optimizer step the run starts (or resumes) at."""
         self._started = self._clock()
-        self._since = (step, self._spent_before)
-        self.first_estimate = step + FIRST_ESTIMATE
+        self._since = (step + PACE_FROM, self._spent_before)
+        self.first_estimate = step + PACE_FROM + REPLAN_EVERY
 
     def spent(self) -> float:
         """Seconds of training spent, those before a resume included."""
@@ -62,17 +64,17 @@ class TimeBudget:
 
     def replan(self, step: int) -> int | None:
         """The run's new total at an estimate step (after optimizer step `step`), else None."""
+        if step == self._since[0]:
+            self._since = (step, self.spent())
         if step < self.first_estimate or (step - self.first_estimate) % REPLAN_EVERY:
             return None
         since_step, since_spent = self._since
         spent = self.spent()
-        agreed = torch.tensor([spent, (spent - since_spent) / max(1, step - since_step)], dtype=torch.float64,
+        agreed = torch.tensor([spent, (spent - since_spent) / (step - since_step)], dtype=torch.float64,
                               device=self.device)
         if self.group is not None and dist.is_initialized():
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
         spent, pace = agreed.tolist()
-        if step == self.first_estimate:  # later paces leave the first steps' compilation out
-            self._since = (step, spent)
         return steps_that_fit(step, spent, pace, self.budget_s, self.cap)
 
     def state_dict(self) -> dict:

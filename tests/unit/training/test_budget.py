@@ -3,7 +3,7 @@ estimated (a fake clock stands for the run's time)."""
 
 from __future__ import annotations
 
-from dflash.training.budget import FIRST_ESTIMATE, REPLAN_EVERY, TimeBudget, steps_that_fit
+from dflash.training.budget import PACE_FROM, REPLAN_EVERY, TimeBudget, steps_that_fit
 from dflash.training.schedules import LRSchedule
 
 
@@ -23,7 +23,7 @@ class FakeClock:
         return self.now
 
 
-def test_estimates_come_after_the_first_steps_then_every_few_and_follow_the_pace_since_the_first():
+def test_the_pace_leaves_the_first_steps_out_and_takes_in_the_evals_that_recur():
     clock = FakeClock()
     budget = TimeBudget(minutes=1.0, cap=10_000, clock=clock)
     budget.start(step=0)
@@ -33,13 +33,28 @@ def test_estimates_come_after_the_first_steps_then_every_few_and_follow_the_pace
         clock.now += 2.5 if step == 20 else 0.0  # a periodic eval
         totals[step] = budget.replan(step)
     estimates = {step: total for step, total in totals.items() if total is not None}
-    assert sorted(estimates) == list(range(FIRST_ESTIMATE, 40, REPLAN_EVERY))
-    # after 3 steps: 6 s spent at 2 s a step -> 27 more; then the pace since step 3 (the eval included)
-    assert estimates[FIRST_ESTIMATE] == FIRST_ESTIMATE + int((60 - 6.0) / 2.0)
-    step = FIRST_ESTIMATE + REPLAN_EVERY
-    assert estimates[step] == step + int((60 - 6.0 - 0.5 * REPLAN_EVERY) / 0.5)
-    step, spent = FIRST_ESTIMATE + 2 * REPLAN_EVERY, 6.0 + 0.5 * 2 * REPLAN_EVERY + 2.5
+    first = PACE_FROM + REPLAN_EVERY
+    assert sorted(estimates) == list(range(first, 40, REPLAN_EVERY))
+    # PACE_FROM steps took 6 s; from there 0.5 s a step: the compiling step would have made it 2 s
+    spent = 6.0 + 0.5 * REPLAN_EVERY
+    assert estimates[first] == first + int((60 - spent) / 0.5)
+    step, spent = first + REPLAN_EVERY, 6.0 + 0.5 * 2 * REPLAN_EVERY + 2.5
     assert estimates[step] == step + int((60 - spent) / ((spent - 6.0) / (2 * REPLAN_EVERY)))
+
+
+def test_a_first_estimate_over_the_compiling_steps_would_have_planned_a_fraction_of_the_run():
+    """What went wrong before the pace left the first steps out: 37.6 s for 3 steps (compiling) then
+    0.5 s a step planned 19 steps of a 4-minute run, and its warmup and stable phase with them."""
+    assert steps_that_fit(step=3, spent_s=37.6, seconds_per_step=37.6 / 3, budget_s=240.0, cap=10_000) == 19
+    clock = FakeClock()
+    budget = TimeBudget(minutes=4.0, cap=10_000, clock=clock)
+    budget.start(step=0)
+    clock.now += 37.6
+    assert [budget.replan(step) for step in range(1, PACE_FROM + 1)] == [None] * PACE_FROM
+    for step in range(PACE_FROM + 1, PACE_FROM + REPLAN_EVERY + 1):
+        clock.now += 0.5
+        total = budget.replan(step)
+    assert total == PACE_FROM + REPLAN_EVERY + int((240.0 - 37.6 - 0.5 * REPLAN_EVERY) / 0.5)
 
 
 def test_a_resumed_budget_goes_on_with_the_time_spent_before():
@@ -53,10 +68,15 @@ def test_a_resumed_budget_goes_on_with_the_time_spent_before():
     resumed = TimeBudget(minutes=1.0, cap=10_000, clock=clock)
     resumed.load_state_dict(saved)
     resumed.start(step=20)
-    clock.now += 3 * 1.0
-    assert resumed.replan(20 + FIRST_ESTIMATE) == 20 + FIRST_ESTIMATE + int((60 - 53.0) / 1.0)
-    clock.now += 10.0  # the budget is spent: the run ends here
-    assert resumed.replan(20 + FIRST_ESTIMATE + REPLAN_EVERY) == 20 + FIRST_ESTIMATE + REPLAN_EVERY
+    for step in range(21, 21 + PACE_FROM + REPLAN_EVERY):
+        clock.now += 0.25
+        total = resumed.replan(step)
+    step = 20 + PACE_FROM + REPLAN_EVERY
+    assert total == step + int((60 - 50.0 - 0.25 * (PACE_FROM + REPLAN_EVERY)) / 0.25)
+    for step in range(step + 1, step + REPLAN_EVERY + 1):
+        clock.now += 1.0  # slower now: the budget runs out, and the run ends at the estimate
+        total = resumed.replan(step)
+    assert total == step
 
 
 def test_the_lr_curve_spread_over_an_estimate_keeps_its_shape_and_ends_at_the_last_step():
