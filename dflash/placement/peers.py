@@ -6,12 +6,18 @@
                        which rank; with one peer in all, it is that one.
 A launcher (torchrun, deepspeed, accelerate) sends SIGTERM to the other ranks once one has failed;
 Terminated is raised then, with the peers found gone or stopped at that moment.
+
+A killed process closes its sockets a moment before it shows as gone (it frees its memory first,
+then its files, and only then becomes a zombie): on a busy host a peer's connection can be seen
+dropped while its process still reads as running. So where the error names no peer found gone,
+the processes are looked at again for up to EXIT_GRACE_S.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import time
 
 import torch.distributed as dist
 
@@ -22,6 +28,8 @@ from dflash.placement.transport import TransportError
 LOST_CONNECTION = re.compile(r"connection (closed|reset) by peer|broken pipe|connection refused|timed out|timeout|"
                              r"remote process exited|ncclRemoteError|communicator was aborted", re.IGNORECASE)
 DIED, STOPPED, SILENT, DISCONNECTED = "died", "stopped", "silent", "disconnected"
+EXIT_GRACE_S = 1.0  # how long a lost connection waits for its peer's process to show as gone
+EXIT_POLL_S = 0.05
 
 
 class Terminated(KeyboardInterrupt):
@@ -96,11 +104,22 @@ def lost_peers_of(err: BaseException, ranks: RankInfo) -> dict[int, str] | None:
         return err.lost or None
     if not is_lost_connection(err):
         return None
-    seen = process_states(ranks)
     peer = getattr(err, "peer", None)
+    seen = settled_process_states(ranks, peer)
     if peer is not None:  # and the others gone: the peer that failed first may not be the one named
         return {**seen, peer: seen.get(peer, SILENT if err.timed_out else DISCONNECTED)}
     if seen:
         return seen
     others = [r for r in range(ranks.world_size) if r != ranks.rank]
     return {others[0]: DISCONNECTED} if len(others) == 1 else {}
+
+
+def settled_process_states(ranks: RankInfo, peer: int | None) -> dict[int, str]:
+    """process_states, looked at again for up to EXIT_GRACE_S until it shows `peer` (or, with no
+    peer named, any rank) gone or stopped: the peer's process may still be on its way out."""
+    deadline = time.monotonic() + EXIT_GRACE_S
+    seen = process_states(ranks)
+    while (peer not in seen if peer is not None else not seen) and time.monotonic() < deadline:
+        time.sleep(EXIT_POLL_S)
+        seen = process_states(ranks)
+    return seen

@@ -60,6 +60,16 @@ def test_a_failed_collective_names_the_peer_found_gone_or_none(peer_process):
         assert lost_peers(unrelated, rank_info(0, {1: 0x7FFFFFF0})) is None
 
 
+def test_a_peer_whose_process_is_still_on_its_way_out_is_named_gone():
+    """A killed peer's connection drops a moment before its process shows as gone: the error seen
+    first, the exit just after, within the grace, must still name it."""
+    exiting = subprocess.Popen(["sleep", "0.3"])
+    try:
+        assert lost_peers(RuntimeError(GLOO_CLOSED), rank_info(0, {1: exiting.pid, 2: os.getpid()})) == {1: DIED}
+    finally:
+        exiting.wait()
+
+
 def test_a_transport_error_names_its_peer_and_whether_it_went_silent(peer_process):
     ranks = rank_info(0, {1: os.getpid(), 2: peer_process.pid})  # rank 1 runs on
     assert lost_peers(TransportError("... timed out ...", peer=2, timed_out=True), ranks) == {2: SILENT}
