@@ -109,7 +109,7 @@ def pick_registry_prompts(records: list[dict], n: int, code_share: float | None,
         code = round(code_share * n)
         quota = {True: code, False: n - code}
         code_requests = [is_code_request(r) for r in records]
-        classes = {kind: [r for r, code in zip(records, code_requests) if code == kind] for kind in (True, False)}
+        classes = {kind: [r for r, is_code in zip(records, code_requests) if is_code == kind] for kind in (True, False)}
     taken: list[dict] = []
     for kind, members in classes.items():
         rng.shuffle(members)

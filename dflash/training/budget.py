@@ -20,13 +20,10 @@ with what is left of the same budget (the minutes between the crash and the resu
 
 from __future__ import annotations
 
-import logging
 import time
 
 import torch
 import torch.distributed as dist
-
-logger = logging.getLogger(__name__)
 
 PACE_FROM = 3  # optimizer steps (from the run's start or resume) before the pace is measured
 REPLAN_EVERY = 10  # optimizer steps between estimates
@@ -50,12 +47,14 @@ class TimeBudget:
         self._spent_before, self._clock = spent_s, clock
         self._started: float | None = None
         self._since = (PACE_FROM, spent_s)  # (step, spent) the pace is measured from
+        self._pace_from_set = False
         self.first_estimate = PACE_FROM + REPLAN_EVERY  # the step of the first estimate
 
     def start(self, step: int) -> None:
         """The clock runs from now; `step`: the optimizer step the run starts (or resumes) at."""
         self._started = self._clock()
         self._since = (step + PACE_FROM, self._spent_before)
+        self._pace_from_set = False
         self.first_estimate = step + PACE_FROM + REPLAN_EVERY
 
     def spent(self) -> float:
@@ -64,8 +63,8 @@ class TimeBudget:
 
     def replan(self, step: int) -> int | None:
         """The run's new total at an estimate step (after optimizer step `step`), else None."""
-        if step == self._since[0]:
-            self._since = (step, self.spent())
+        if not self._pace_from_set and step >= self._since[0]:  # a skipped step may not call at PACE_FROM
+            self._since, self._pace_from_set = (step, self.spent()), True
         if step < self.first_estimate or (step - self.first_estimate) % REPLAN_EVERY:
             return None
         since_step, since_spent = self._since

@@ -88,3 +88,18 @@ def test_the_lr_curve_spread_over_an_estimate_keeps_its_shape_and_ends_at_the_la
     lrs = [curve(step) for step in range(3, 504)]
     assert max(lrs) == 1.0 and lrs[-1] == 0.0
     assert abs(sum(lr < 1.0 for lr in lrs[30:]) - 100) <= 1  # the decay: the last 20% of the 500 steps
+
+
+def test_the_pace_starts_at_the_first_step_seen_from_step_3_on_when_step_3_itself_is_not_seen():
+    """A step the spike guard skips whole calls no estimate: the pace is then measured from the
+    next step taken, not from the start (which holds the compilation)."""
+    clock = FakeClock()
+    budget = TimeBudget(minutes=1.0, cap=10_000, clock=clock)
+    budget.start(step=0)
+    clock.now += 20.0  # steps 1..4 compile; no call at step 3
+    assert budget.replan(4) is None
+    for step in range(5, PACE_FROM + REPLAN_EVERY + 1):
+        clock.now += 0.5
+        total = budget.replan(step)
+    step = PACE_FROM + REPLAN_EVERY
+    assert total == step + int((60 - 20.0 - 0.5 * (step - 4)) / 0.5)
