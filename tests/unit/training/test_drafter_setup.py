@@ -32,7 +32,8 @@ print(json.dumps({
     "weights": sorted({str(p.dtype) for p in engine.module.parameters()}),
     "master": sorted({str(p.dtype) for g in optimizer.param_groups for p in g["params"]}),
     "moments": sorted({str(v.dtype) for s in optimizer.state.values() for k, v in s.items() if k.startswith("exp_avg")}),
-}))
+}), flush=True)
+torch.distributed.destroy_process_group()  # left to interpreter exit, gloo's threads once aborted the process
 """
 
 
@@ -91,7 +92,9 @@ engine.step()
 groups = [(g.get("use_muon"), g["lr"], sum(p.numel() for p in g["params"])) for g in optimizer.optimizer.param_groups]
 print(json.dumps({"passed_none": optimizer is not None, "groups": groups,
                   "adam_half": type(optimizer.optimizer.aux_optimizer).__name__,
-                  "moved": [bool((p.detach() != b).any()) for p, b in zip(engine.module.parameters(), before)]}))
+                  "moved": [bool((p.detach() != b).any()) for p, b in zip(engine.module.parameters(), before)]}),
+      flush=True)
+torch.distributed.destroy_process_group()  # left to interpreter exit, gloo's threads once aborted the process
 """
 
 
