@@ -100,8 +100,9 @@ class MagpieArgs:
     temperature: float = 1.0
     top_p: float = 0.99
     top_k: int = field(default=0, metadata={"help": "0: every token"})
-    batch_tokens: int = field(default=262144, metadata={
-        "help": "rows x (header + --max-new-tokens) per batch, as dflash.regenerate's"})
+    batch_tokens: int = field(default=0, metadata={
+        "help": "at most rows x (header + --max-new-tokens) per batch; 0: sized from the target's shapes and the "
+                "free memory, as dflash.regenerate's"})
     max_rounds: int = 8
     device: str = "auto"
     dtype: str = field(default="bfloat16", metadata={"help": "bfloat16 | float32"})
@@ -240,7 +241,7 @@ def check_args(args: MagpieArgs) -> None:
         (args.temperature > 0, f"--temperature {args.temperature}: use more than 0 (the turns are sampled)"),
         (0 < args.top_p <= 1, f"--top-p {args.top_p}: use a value in (0, 1]"),
         (args.top_k >= 0, f"--top-k {args.top_k}: use 0 (every token) or more"),
-        (args.batch_tokens >= 1, f"--batch-tokens {args.batch_tokens}: use at least 1"),
+        (args.batch_tokens >= 0, f"--batch-tokens {args.batch_tokens}: use 0 (sized from memory) or a token count"),
         (args.max_rounds >= 1, f"--max-rounds {args.max_rounds}: use at least 1"),
         (args.dtype in ("bfloat16", "float32"), f"--dtype {args.dtype}: use bfloat16 or float32"),
         (is_model_path(args.target),

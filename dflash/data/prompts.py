@@ -75,7 +75,8 @@ class PromptsArgs:
     heldout: int = field(default=256, metadata={"help": "held-out ShareGPT conversations (heldout.jsonl)"})
     seed: int = 0
     max_new_tokens: int = field(default=512, metadata={"help": "Magpie: longest user turn sampled, in tokens"})
-    batch_tokens: int = field(default=262144, metadata={"help": "Magpie: rows x (header + --max-new-tokens)"})
+    batch_tokens: int = field(default=0, metadata={
+        "help": "Magpie: at most rows x (header + --max-new-tokens) per batch (0: sized from memory)"})
     max_rounds: int = field(default=8, metadata={"help": "Magpie: sampling rounds at most"})
     device: str = "auto"
     dtype: str = field(default="bfloat16", metadata={"help": "Magpie: bfloat16 | float32"})

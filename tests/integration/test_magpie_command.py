@@ -55,16 +55,18 @@ def writer(tmp_path_factory) -> Path:
     return folder
 
 
-def build(target: Path, out: Path, *extra: str) -> list[dict]:
+def build(target: Path, out: Path, *extra: str, batch: tuple[str, ...] = ("--batch-tokens", "4096")) -> list[dict]:
     argv = ["--target", str(target), "--n", "12", "--out", str(out), "--max-new-tokens", "64", "--min-chars", "5",
-            "--batch-tokens", "4096", "--device", "cpu", "--dtype", "float32", *extra]
+            *batch, "--device", "cpu", "--dtype", "float32", *extra]
     assert magpie_main(argv) == 0
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
 def test_the_target_writes_prompts_that_regenerate_answers(writer, tmp_path, capfd):
-    records = build(writer, tmp_path / "prompts.jsonl")
+    records = build(writer, tmp_path / "prompts.jsonl", batch=())
     log = capfd.readouterr().err
+    plans = [line for line in log.splitlines() if "memory plan:" in line]
+    assert plans and not any("--batch-tokens" in line for line in plans), "by default the free memory sizes the batch"
     assert [r["id"] for r in records] == [f"magpie:{i}" for i in range(12)]
     texts = [r["messages"][0]["content"] for r in records]
     assert all(r["messages"] == [{"role": "user", "content": t}] for r, t in zip(records, texts))
