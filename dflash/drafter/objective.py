@@ -112,6 +112,7 @@ class LossOutput:
     slot_count: torch.Tensor  # [B] scored predictions per slot
     block_streaks: torch.Tensor  # [#blocks] leading correct slots of each real block
     weight_sum: torch.Tensor  # sum of w * m, the loss normaliser
+    distinct_predictions: torch.Tensor  # how many distinct tokens the argmax drafts at the scored slots (0-d)
 
 
 def dpace_weights(ce: torch.Tensor, scored: torch.Tensor, block_size: int, alpha: float) -> torch.Tensor:
@@ -204,7 +205,8 @@ def dflash_loss(
     w = weights.to(hidden.device)[slots]
     distill = teacher_hidden is not None and kl_weight > 0
     teacher = (teacher_hidden, (blocks.positions - 1)[sel], sel[0]) if distill else None
-    ce_rows, kl_rows, correct = row_losses(hidden[sel], lm_head, blocks.labels[sel], chunk_size, fused, teacher)
+    ce_rows, kl_rows, predicted = row_losses(hidden[sel], lm_head, blocks.labels[sel], chunk_size, fused, teacher)
+    correct = predicted == blocks.labels[sel]
     sums = {"ce": (ce_rows * w).sum(), "kl": (kl_rows * w).sum()}
     if terms.kind in ("dpace", "ce+dpace"):
         full = torch.zeros(mask.shape, device=hidden.device)
@@ -227,26 +229,32 @@ def dflash_loss(
     return LossOutput(loss=combine(denominators or local), mean_loss=combine(local).detach(),
                       ce=sums["ce"].detach() / weight_sum, kl=sums["kl"].detach() / weight_sum,
                       slot_correct=slot_correct, slot_count=slot_count,
-                      block_streaks=block_streaks(correct, mask, bs), weight_sum=weight_sum)
+                      block_streaks=block_streaks(correct, mask, bs), weight_sum=weight_sum,
+                      distinct_predictions=distinct_count(predicted, lm_head.weight.shape[0]))
+
+
+def distinct_count(ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """How many distinct values `ids` holds (0-d float), without a host sync (torch.unique has one)."""
+    seen = torch.zeros(vocab, dtype=torch.bool, device=ids.device)
+    return seen.index_fill_(0, ids, True).sum().float()
 
 
 def row_losses(h: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor, chunk_size: int, fused: bool,
                teacher=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per scored row: CE (float32, differentiable in h), KL to the teacher (zeros without one),
-    argmax == label. `teacher` = (teacher_hidden [b, S, D], row index, batch index) per row."""
+    the argmax row. `teacher` = (teacher_hidden [b, S, D], row index, batch index) per row."""
     if fused:
         teacher_rows = None
         if teacher is not None:
             teacher_hidden, rows, batch = teacher
             teacher_rows = teacher_hidden[batch, rows]
-        ce, kl, correct = linear_cross_entropy(h, lm_head.weight, labels, chunk_size, teacher_rows)
-        return ce, kl, correct
-    ce_parts, kl_parts, correct_parts = [], [], []
+        return linear_cross_entropy(h, lm_head.weight, labels, chunk_size, teacher_rows)
+    ce_parts, kl_parts, predicted_parts = [], [], []
     for start in range(0, h.shape[0], chunk_size):
         part = slice(start, start + chunk_size)
         logits = lm_head(h[part]).float()
         ce_parts.append(F.cross_entropy(logits, labels[part], reduction="none"))
-        correct_parts.append(logits.argmax(-1) == labels[part])
+        predicted_parts.append(logits.argmax(-1))
         if teacher is None:
             kl_parts.append(torch.zeros_like(ce_parts[-1]))
             continue
@@ -256,24 +264,24 @@ def row_losses(h: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor, 
         kl_parts.append(F.kl_div(F.log_softmax(logits, -1), teacher_logp, log_target=True, reduction="none").sum(-1))
     if not ce_parts:  # no scored slot: an empty CE that still belongs to the graph
         empty = h.float().sum(-1)
-        return empty, empty.detach(), torch.zeros(0, dtype=torch.bool, device=h.device)
-    return torch.cat(ce_parts), torch.cat(kl_parts), torch.cat(correct_parts)
+        return empty, empty.detach(), torch.zeros(0, dtype=torch.long, device=h.device)
+    return torch.cat(ce_parts), torch.cat(kl_parts), torch.cat(predicted_parts)
 
 
 def _cross_entropy_chunk(logits: torch.Tensor, labels: torch.Tensor, want_grad: bool):
-    """One chunk of logits [n, V] (the lm_head's dtype): (CE per row, argmax == label, and
+    """One chunk of logits [n, V] (the lm_head's dtype): (CE per row, the argmax row, and
     dCE/d logits = softmax - onehot in the logits' dtype, or None). Written as plain tensor code
     so that on a GPU `torch.compile` fuses it into a reduction over V and one pointwise pass,
     instead of eager passes that each write an [n, V] float32 array."""
     x = logits.float()
     lse = torch.logsumexp(x, dim=-1)
     target = x.gather(1, labels[:, None]).squeeze(1)
-    correct = x.argmax(dim=-1) == labels
+    predicted = x.argmax(dim=-1)
     if not want_grad:
-        return lse - target, correct, None
+        return lse - target, predicted, None
     onehot = torch.arange(x.shape[1], device=x.device)[None, :] == labels[:, None]
     grad = (x - lse[:, None]).exp() - onehot.float()
-    return lse - target, correct, grad.to(logits.dtype)
+    return lse - target, predicted, grad.to(logits.dtype)
 
 
 def _distillation_chunk(logits: torch.Tensor, teacher_logits: torch.Tensor, want_grad: bool):
@@ -321,11 +329,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_kl = torch.empty_like(h) if want_grad and distill else None
         ce = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
         kl = torch.zeros(h.shape[0], dtype=torch.float32, device=h.device)
-        correct = torch.empty(h.shape[0], dtype=torch.bool, device=h.device)
+        predicted = torch.empty(h.shape[0], dtype=torch.long, device=h.device)
         for start in range(0, h.shape[0], chunk_size):
             part = slice(start, start + chunk_size)
             logits = h[part] @ weight.t()
-            ce[part], correct[part], grad_logits = cross_entropy_chunk(logits, labels[part], want_grad)
+            ce[part], predicted[part], grad_logits = cross_entropy_chunk(logits, labels[part], want_grad)
             if want_grad:
                 grad_ce[part] = grad_logits @ weight
             if distill:
@@ -333,11 +341,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if want_grad:
                     grad_kl[part] = grad_logits @ weight
         ctx.save_for_backward(grad_ce, grad_kl)
-        ctx.mark_non_differentiable(correct)
-        return ce, kl, correct
+        ctx.mark_non_differentiable(predicted)
+        return ce, kl, predicted
 
     @staticmethod
-    def backward(ctx, grad_ce_rows, grad_kl_rows, _grad_correct):
+    def backward(ctx, grad_ce_rows, grad_kl_rows, _grad_predicted):
         grad_ce, grad_kl = ctx.saved_tensors
         grad_h = grad_ce * grad_ce_rows.to(grad_ce.dtype)[:, None]
         if grad_kl is not None:
@@ -348,7 +356,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 4096,
                          teacher_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(CE of h @ weight^T against labels per row as float32, KL(softmax(teacher_rows @ weight^T)
-    || softmax(h @ weight^T)) per row (zeros without teacher rows), argmax == label per row);
+    || softmax(h @ weight^T)) per row (zeros without teacher rows), the argmax row of each row);
     the weight is frozen (no gradient for it)."""
     teacher_rows = None if teacher_rows is None else teacher_rows.detach()
     return _LinearCrossEntropy.apply(h, weight.detach(), labels, chunk_size, teacher_rows)

@@ -18,6 +18,22 @@ from dflash.util.files import write_text_durably
 logger = logging.getLogger(__name__)
 
 
+SCALARS = 5  # loss, ce, kl, streak sum, distinct predictions
+# A drafter that still drafts this few distinct tokens at this many scored slots of a micro-batch
+# after this many steps has collapsed onto the most frequent tokens: its outputs no longer depend
+# on its inputs, so its gradients vanish and it learns little for a long while. An untrained
+# drafter drafts a few tokens everywhere too, hence the first steps are left alone.
+COLLAPSED_DISTINCT = 2
+COLLAPSE_MIN_SCORED = 256
+COLLAPSE_FROM_STEP = 50
+
+
+def collapsed(record: dict) -> bool:
+    """Whether a logged window (`summary()` with its step) shows a collapsed drafter."""
+    return (record["step"] >= COLLAPSE_FROM_STEP and record["scored_slots"] >= COLLAPSE_MIN_SCORED
+            and record["distinct_predictions"] <= COLLAPSED_DISTINCT)
+
+
 class WindowMetrics:
     """Sums over the steps since the last log; `summary()` turns them into rates."""
 
@@ -27,8 +43,8 @@ class WindowMetrics:
         self.reset()
 
     def reset(self) -> None:
-        # [loss, ce, kl, streak sum, slot_correct (B), slot_count (B)], summed where the loss
-        # lives: no host sync per step, one copy per log.
+        # [loss, ce, kl, streak sum, distinct predictions, slot_correct (B), slot_count (B)], summed
+        # where the loss lives: no host sync per step, one copy per log.
         self.device_sums: torch.Tensor | None = None
         self.micro_batches = 0
         self.blocks = 0
@@ -41,7 +57,7 @@ class WindowMetrics:
     def add(self, out: LossOutput, tokens: int, flops: float = 0.0) -> None:
         """One micro-batch: its loss outputs, sequence tokens and FLOPs (target + drafter)."""
         scalars = torch.stack([out.mean_loss.float(), out.ce.float(), out.kl.float(),
-                               out.block_streaks.sum().float()])
+                               out.block_streaks.sum().float(), out.distinct_predictions.float()])
         sums = torch.cat([scalars, out.slot_correct.float(), out.slot_count.float()]).double()
         self.device_sums = sums if self.device_sums is None else self.device_sums + sums
         self.micro_batches += 1
@@ -59,7 +75,7 @@ class WindowMetrics:
         """Rates over the window, summed over the ranks of `group` (the drafter ranks) when given;
         throughputs are per rank of that group, TFLOP/s and MFU per GPU of the job (`gpus`,
         target ranks included: every drafter micro-batch's target forward ran somewhere)."""
-        sums = self.device_sums.cpu() if self.device_sums is not None else torch.zeros(4 + 2 * self.block_size,
+        sums = self.device_sums.cpu() if self.device_sums is not None else torch.zeros(SCALARS + 2 * self.block_size,
                                                                                           dtype=torch.float64)
         counts = torch.tensor([self.micro_batches, self.blocks, self.tokens, self.draft_positions, self.flops],
                               dtype=torch.float64)
@@ -71,9 +87,9 @@ class WindowMetrics:
             dist.all_reduce(packed, group=group)
             packed, ranks = packed.cpu(), dist.get_world_size(group)
         bs = self.block_size
-        loss, ce, kl, streak = packed[:4].tolist()
-        correct, count = packed[4:4 + bs], packed[4 + bs:4 + 2 * bs]
-        micro, blocks, tokens, positions, flops = packed[4 + 2 * bs:].tolist()
+        loss, ce, kl, streak, distinct = packed[:SCALARS].tolist()
+        correct, count = packed[SCALARS:SCALARS + bs], packed[SCALARS + bs:SCALARS + 2 * bs]
+        micro, blocks, tokens, positions, flops = packed[SCALARS + 2 * bs:].tolist()
         n = max(micro, 1)
         seconds = max(time.perf_counter() - self.started, 1e-9)
         acc = (correct / count.clamp(min=1)).float()
@@ -97,6 +113,9 @@ class WindowMetrics:
             "acc": [round(float(a), 4) for a in acc[1:]],
             "eal": expected_acceptance_length(acc),
             "streak": streak / max(blocks, 1),
+            # per micro-batch: how many distinct tokens the drafter drafted at how many scored slots
+            "distinct_predictions": distinct / n,
+            "scored_slots": float(count.sum()) / n,
             "tokens_per_s": tokens / seconds / ranks,
             "draft_positions_per_s": positions / seconds / ranks,
             **extra,

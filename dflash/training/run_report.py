@@ -21,7 +21,7 @@ from dflash.placement.topology import Topology
 from dflash.placement.transport import PairGroups
 from dflash.target.frozen import FrozenTarget
 from dflash.training.drafter_setup import DrafterRun, RankContext
-from dflash.training.metrics import MetricsLogger, WindowMetrics, progress_line
+from dflash.training.metrics import MetricsLogger, WindowMetrics, collapsed, progress_line
 from dflash.training.profiling import StepProfiler
 from dflash.util.files import write_text_durably
 from dflash.util.phases import PhaseClock
@@ -29,6 +29,7 @@ from dflash.util.phases import PhaseClock
 logger = logging.getLogger(__name__)
 
 PROFILE_AFTER_STEPS = 20  # compilation and allocator warm-up are over by then
+COLLAPSE_WARN_EVERY = 100  # steps between two warnings of the same collapse
 
 
 class RunReport:
@@ -51,6 +52,7 @@ class RunReport:
         self.last: dict = {}
         self.started = time.perf_counter()
         self.first_step = run.engine.global_steps
+        self.collapse_warned_at: int | None = None
 
     def micro_batch(self, out: LossOutput, indices: list[int]) -> None:
         lengths = self.ctx.dataset.lengths[indices]
@@ -97,8 +99,22 @@ class RunReport:
         self.metrics.log(last)
         if run.is_main:
             logger.info(progress_line(last, run.total_steps))
+            self.warn_if_collapsed(last)
         self.window.reset()
         self.last = last
+
+    def warn_if_collapsed(self, record: dict) -> None:
+        step = record["step"]
+        if not collapsed(record) or (self.collapse_warned_at is not None
+                                     and step - self.collapse_warned_at < COLLAPSE_WARN_EVERY):
+            return
+        self.collapse_warned_at = step
+        t = self.ctx.config.train
+        logger.warning("step %d: the drafter drafts %.0f distinct token(s) at %.0f scored slots a micro-batch: its "
+                       "outputs collapsed onto the most frequent tokens, and it learns little until it leaves that "
+                       "state (a learning rate too high for this target early on: on Qwen2.5-Coder-0.5B --lr 3e-3 "
+                       "collapsed where 6e-4 did not); restart with a lower --lr (now %g) or a longer --warmup-ratio "
+                       "(now %g)", step, record["distinct_predictions"], record["scored_slots"], t.lr, t.warmup_ratio)
 
     @property
     def seconds(self) -> float:

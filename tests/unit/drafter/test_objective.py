@@ -122,6 +122,23 @@ def test_fused_loss_matches_autograd_loss_and_gradients(chunk, distill):
     assert (float(fused_out.kl) > 0.01) == distill
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_loss_counts_the_distinct_tokens_drafted_at_the_scored_slots(fused):
+    """What a collapsed drafter shows (one token drafted everywhere): distinct argmax rows at the
+    scored slots, counted on the device; a head whose rows favour one token gives 1."""
+    b, s, bs, d, v = 2, 40, 4, 16, 37
+    blocks = random_blocks(b, s, bs, v, prompt=5, anchors=6)
+    head = torch.nn.Linear(d, v, bias=False).requires_grad_(False)
+    hidden = torch.randn(b, blocks.input_ids.shape[1], d, generator=torch.Generator().manual_seed(1))
+    out = dflash_loss(hidden, blocks, head, slot_weights(bs, 2.0), chunk_size=5, fused=fused)
+    drafted = head(hidden[blocks.label_mask]).argmax(-1)
+    assert float(out.distinct_predictions) == len(drafted.unique()) > 3
+    with torch.no_grad():
+        head.weight[7] = 100 * hidden[blocks.label_mask].mean(0)  # every scored row's argmax is row 7
+    hidden = hidden[blocks.label_mask].mean(0).expand_as(hidden) + 0.01 * hidden
+    assert float(dflash_loss(hidden, blocks, head, slot_weights(bs, 2.0), fused=fused).distinct_predictions) == 1
+
+
 @pytest.mark.parametrize("distill", [False, True])
 def test_fused_loss_keeps_no_vocabulary_sized_tensor_for_backward(distill):
     """What autograd saves is [rows, D] at most: [rows, V] logits (V = 152K for Qwen3) would not

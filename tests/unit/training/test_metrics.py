@@ -8,13 +8,14 @@ import json
 import torch
 
 from dflash.drafter.objective import LossOutput
-from dflash.training.metrics import MetricsLogger, WindowMetrics, progress_line
+from dflash.training.metrics import COLLAPSE_FROM_STEP, MetricsLogger, WindowMetrics, collapsed, progress_line
 
 
-def loss_output(correct: list[float], count: list[float], streaks: list[int]) -> LossOutput:
+def loss_output(correct: list[float], count: list[float], streaks: list[int], distinct: float = 3.0) -> LossOutput:
     zero = torch.tensor(0.0)
     return LossOutput(loss=torch.tensor(2.0), mean_loss=torch.tensor(2.0), ce=torch.tensor(2.0), kl=zero, slot_correct=torch.tensor(correct),
-                      slot_count=torch.tensor(count), block_streaks=torch.tensor(streaks), weight_sum=zero)
+                      slot_count=torch.tensor(count), block_streaks=torch.tensor(streaks), weight_sum=zero,
+                      distinct_predictions=torch.tensor(distinct))
 
 
 def test_window_pools_counts_before_dividing():
@@ -26,6 +27,15 @@ def test_window_pools_counts_before_dividing():
     assert summary["streak"] == 1.0  # 4 leading-correct slots over 4 blocks
     assert abs(summary["eal"] - (0.75 + 0.75 * 0.25)) < 1e-6
     assert summary["loss"] == 2.0
+    assert summary["distinct_predictions"] == 3.0 and summary["scored_slots"] == 4.0  # per micro-batch: 2 + 6 slots
+
+
+def test_a_drafter_drafting_a_few_tokens_everywhere_past_the_first_steps_is_collapsed():
+    healthy = {"step": COLLAPSE_FROM_STEP, "scored_slots": 80000.0, "distinct_predictions": 900.0}
+    assert not collapsed(healthy)
+    assert collapsed({**healthy, "distinct_predictions": 1.0})
+    assert not collapsed({**healthy, "distinct_predictions": 1.0, "step": COLLAPSE_FROM_STEP - 1}), "still starting"
+    assert not collapsed({**healthy, "distinct_predictions": 1.0, "scored_slots": 20.0}), "too few slots to tell"
 
 
 def test_progress_line_names_epoch_and_fraction():
