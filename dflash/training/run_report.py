@@ -104,9 +104,9 @@ class RunReport:
         self.last = last
 
     def warn_if_collapsed(self, record: dict) -> None:
-        step = record["step"]
-        if not collapsed(record) or (self.collapse_warned_at is not None
-                                     and step - self.collapse_warned_at < COLLAPSE_WARN_EVERY):
+        step, schedule = record["step"], self.run.lr_schedule
+        if not collapsed(record, warming_up=schedule.position(step) < schedule.warmup) or (
+                self.collapse_warned_at is not None and step - self.collapse_warned_at < COLLAPSE_WARN_EVERY):
             return
         self.collapse_warned_at = step
         t = self.ctx.config.train

@@ -30,12 +30,14 @@ def test_window_pools_counts_before_dividing():
     assert summary["distinct_predictions"] == 3.0 and summary["scored_slots"] == 4.0  # per micro-batch: 2 + 6 slots
 
 
-def test_a_drafter_drafting_a_few_tokens_everywhere_past_the_first_steps_is_collapsed():
+def test_a_drafter_drafting_a_few_tokens_everywhere_past_the_first_steps_and_warmup_is_collapsed():
     healthy = {"step": COLLAPSE_FROM_STEP, "scored_slots": 80000.0, "distinct_predictions": 900.0}
-    assert not collapsed(healthy)
-    assert collapsed({**healthy, "distinct_predictions": 1.0})
-    assert not collapsed({**healthy, "distinct_predictions": 1.0, "step": COLLAPSE_FROM_STEP - 1}), "still starting"
-    assert not collapsed({**healthy, "distinct_predictions": 1.0, "scored_slots": 20.0}), "too few slots to tell"
+    assert not collapsed(healthy, warming_up=False)
+    stuck = {**healthy, "distinct_predictions": 1.0}
+    assert collapsed(stuck, warming_up=False)
+    assert not collapsed(stuck, warming_up=True), "a long warmup's first steps barely move the drafter"
+    assert not collapsed({**stuck, "step": COLLAPSE_FROM_STEP - 1}, warming_up=False), "still starting"
+    assert not collapsed({**stuck, "scored_slots": 20.0}, warming_up=False), "too few slots to tell"
 
 
 def test_progress_line_names_epoch_and_fraction():
