@@ -85,7 +85,8 @@ class TrainArgs:
     lr: float = field(default=6e-4, metadata={"help": "peak learning rate (AdamW; with Muon, of the 1-D weights)"})
     optimizer: str = field(default="adamw", metadata={"help": "adamw | muon (DeepSpeed's Muon for the 2-D weights, AdamW for the rest)"})
     muon_lr: float = field(default=0.2, metadata={"help": "--optimizer muon: peak learning rate of the 2-D weights (spectral norm per step)"})
-    warmup_ratio: float = 0.04
+    warmup_ratio: float = field(default=0.04, metadata={"help": "share of the steps the learning rate warms up over (see --min-warmup-steps)"})
+    min_warmup_steps: int = field(default=40, metadata={"help": "the learning rate rises no faster than a linear warmup over this many steps (at most half the run), whatever --warmup-ratio or --max-minutes make of the curve: 2 / (1 - AdamW's beta2 of 0.95), the steps its second moments take to settle (0: the ratio alone)"})
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     grad_accum: int = 1
@@ -241,7 +242,7 @@ def _require(ok: bool, message: str) -> None:
 # --epochs or --max-steps); a changed loss would train another objective.
 RECIPE_FLAGS = ("loss", "dpace_alpha", "dpace_weight", "slot_weights", "gamma", "anchors", "zero_features",
                 "kl_weight", "feature_noise_std", "optimizer", "lr", "muon_lr", "weight_decay", "grad_clip",
-                "lr_schedule", "warmup_ratio", "decay_ratio", "epochs", "max_steps", "max_minutes")
+                "lr_schedule", "warmup_ratio", "min_warmup_steps", "decay_ratio", "epochs", "max_steps", "max_minutes")
 
 
 def recipe_settings(t: TrainArgs) -> dict:
@@ -402,6 +403,7 @@ def _validate_optimization(t: TrainArgs) -> None:
     _require(t.precision in ("auto", "bf16", "fp32"), f"--precision {t.precision}: use auto, bf16 or fp32")
     _require(math.isfinite(t.lr) and t.lr > 0, f"--lr {t.lr}: use a positive learning rate (recipe 6e-4)")
     _require(0 <= t.warmup_ratio < 1, f"--warmup-ratio {t.warmup_ratio}: use a fraction in [0, 1)")
+    _require(t.min_warmup_steps >= 0, f"--min-warmup-steps {t.min_warmup_steps}: use 0 or more steps")
     _require(math.isfinite(t.weight_decay) and t.weight_decay >= 0, f"--weight-decay {t.weight_decay}: use >= 0")
     _require(math.isfinite(t.grad_clip) and t.grad_clip > 0, f"--grad-clip {t.grad_clip}: use a positive norm")
     _require(t.gamma is None or (math.isfinite(t.gamma) and t.gamma > 0),

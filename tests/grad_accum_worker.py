@@ -102,6 +102,7 @@ def main() -> None:
              (1, "ce", [False, False, False]), (1, "ce", [True, True, True]), (1, "ce+dpace", [False, True, False])]
     for stage, kind, skipped in cases:
         print(json.dumps(one_case(stage, kind, skipped, groups, topology)), flush=True)
+    torch.distributed.destroy_process_group()  # left to interpreter exit, gloo's threads can abort it
 
 
 if __name__ == "__main__":

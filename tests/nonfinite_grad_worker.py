@@ -45,6 +45,7 @@ def main() -> None:
             "skipped_steps": engine.skipped_steps,
         }
     print(json.dumps(report), flush=True)
+    torch.distributed.destroy_process_group()  # left to interpreter exit, gloo's threads can abort it
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from dflash.training.budget import TimeBudget
 from dflash.training.checkpoint import (Checkpointer, CheckpointError, checkpoint_dir, load_checkpoint,
                                         newest_intact_checkpoint, saved_batching, saved_drafter_ranks, saved_recipe)
 from dflash.training.memory import MemoryBudgetError, MemoryShapes, draft_position_budget, free_device_bytes
-from dflash.training.schedules import LRSchedule, planned_total_steps
+from dflash.training.schedules import ADAM_BETAS, LRSchedule, planned_total_steps
 from dflash.training.spike import SpikeGuard, StepTally
 from dflash.util.cli import ConfigError
 from dflash.util.runtime import allow_compiled_variants
@@ -117,7 +117,7 @@ def build_drafter_run(ctx: RankContext) -> DrafterRun:
     if is_main:
         export_drafter(drafter, initial_dir)
     lr_schedule = LRSchedule(total_steps, config.train.warmup_ratio, config.train.lr_schedule,
-                             config.train.decay_ratio)
+                             config.train.decay_ratio, config.train.min_warmup_steps)
     engine, _, _, scheduler = deepspeed.initialize(
         model=drafter, optimizer=make_optimizer(config, drafter, ds_config, device),
         lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule), config=ds_config,
@@ -192,11 +192,11 @@ def make_optimizer(config: RunConfig, drafter, ds_config: dict, device: torch.de
     t = config.train
     if t.optimizer == "muon":
         ds_config["optimizer"] = {"type": "Muon", "params": {
-            "lr": t.lr, "adam_lr": t.lr, "muon_lr": t.muon_lr, "betas": [0.9, 0.95], "eps": 1e-8,
+            "lr": t.lr, "adam_lr": t.lr, "muon_lr": t.muon_lr, "betas": list(ADAM_BETAS), "eps": 1e-8,
             "momentum": 0.95, "weight_decay": t.weight_decay,
             "torch_adam": True}}  # torch's AdamW for the 1-D half: DeepSpeed's FusedAdam is a JIT build
         return None
-    return torch.optim.AdamW(drafter.parameters(), lr=t.lr, betas=(0.9, 0.95), weight_decay=t.weight_decay,
+    return torch.optim.AdamW(drafter.parameters(), lr=t.lr, betas=ADAM_BETAS, weight_decay=t.weight_decay,
                              fused=device.type == "cuda")
 
 

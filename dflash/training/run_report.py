@@ -105,16 +105,16 @@ class RunReport:
 
     def warn_if_collapsed(self, record: dict) -> None:
         step, schedule = record["step"], self.run.lr_schedule
-        if not collapsed(record, warming_up=schedule.position(step) < schedule.warmup) or (
+        if not collapsed(record, warming_up=schedule.warming_up(step)) or (
                 self.collapse_warned_at is not None and step - self.collapse_warned_at < COLLAPSE_WARN_EVERY):
             return
         self.collapse_warned_at = step
         t = self.ctx.config.train
         logger.warning("step %d: the drafter drafts %.0f distinct token(s) at %.0f scored slots a micro-batch: its "
                        "outputs collapsed onto the most frequent tokens, and it learns little until it leaves that "
-                       "state (a learning rate too high for this target early on: on Qwen2.5-Coder-0.5B --lr 3e-3 "
-                       "collapsed where 6e-4 did not); restart with a lower --lr (now %g) or a longer --warmup-ratio "
-                       "(now %g)", step, record["distinct_predictions"], record["scored_slots"], t.lr, t.warmup_ratio)
+                       "state (a learning rate that rose too fast for this target: on Qwen2.5-Coder-0.5B a 10-step "
+                       "warmup to --lr 3e-3 collapsed where a 30-step one did not); restart with a lower --lr (now %g) "
+                       "or a longer --warmup-ratio (now %g)", step, record["distinct_predictions"], record["scored_slots"], t.lr, t.warmup_ratio)
 
     @property
     def seconds(self) -> float:

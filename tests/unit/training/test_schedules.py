@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dflash.training.schedules import LRSchedule, feature_noise_std, planned_total_steps
+from dflash.training.schedules import ADAM_BETAS, LRSchedule, feature_noise_std, planned_total_steps
 
 
 def test_lr_warms_up_linearly_then_decays_by_cosine_to_zero():
@@ -32,6 +32,33 @@ def test_rebase_continues_the_curve_and_ends_at_the_new_total():
     assert schedule.last_step() == 70 and schedule(70) == pytest.approx(0.0, abs=1e-12)
     schedule.rebase(55, 70)  # the same total leaves the curve as it is
     assert schedule(60) == pytest.approx(LRSchedule(100, 0.1, "cosine")(80))
+
+
+def test_the_lr_rises_no_faster_than_the_minimum_warmup_whatever_the_ratio():
+    """4% of a 150-step run is 6 steps: the curve would reach the peak at step 6, and a drafter
+    stepped at the peak before AdamW's second moments settle can collapse."""
+    from dflash.config import TrainArgs
+
+    assert TrainArgs.min_warmup_steps == round(2 / (1 - ADAM_BETAS[1])) == 40
+    short = LRSchedule(total_steps=150, warmup_ratio=0.04, kind="wsd", min_warmup=40)
+    assert [short(s) for s in (0, 9, 19, 39)] == pytest.approx([1 / 40, 10 / 40, 20 / 40, 1.0])
+    assert short(40) == 1.0 and short.warming_up(39) and not short.warming_up(40)
+    # a long run's own warmup is longer than the minimum: its curve is left as it is
+    long = LRSchedule(total_steps=10_000, warmup_ratio=0.04, kind="wsd", min_warmup=40)
+    assert [long(s) for s in (0, 39, 399)] == pytest.approx([1 / 400, 40 / 400, 1.0])
+    # a run too short for it warms up over its first half
+    assert LRSchedule(total_steps=10, warmup_ratio=0.04, kind="wsd", min_warmup=40).min_warmup == 5
+
+
+def test_a_max_minutes_first_estimate_cannot_squeeze_the_warmup_into_a_few_steps():
+    """--max-minutes: the curve of the cap (100,000 steps) until the first estimate at step 13,
+    then the rest of it spread over 150 steps: its warmup passes in 5 steps (the GPU run that
+    collapsed), the learning rate in 40."""
+    schedule = LRSchedule(total_steps=100_000, warmup_ratio=0.04, kind="wsd", min_warmup=40)
+    schedule.rebase(13, 150)
+    lrs = [schedule(s) for s in range(150)]
+    assert all(lr <= (s + 1) / 40 + 1e-12 for s, lr in enumerate(lrs))
+    assert lrs[39] == pytest.approx(1.0) and lrs[30] < 0.8
 
 
 def run_config(epochs: int, max_steps: int = 0):

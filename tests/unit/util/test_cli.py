@@ -46,7 +46,7 @@ def test_help_lists_each_flag_once_with_its_default_once(capsys, monkeypatch, co
 
 def test_help_of_train_drafter_shows_the_default_of_a_flag_without_help(capsys, monkeypatch):
     entries = dict(options(help_text(capsys, monkeypatch, train_drafter.main)))
-    assert entries["--warmup-ratio"] == "--warmup-ratio WARMUP_RATIO default: 0.04"
+    assert entries["--grad-clip"] == "--grad-clip GRAD_CLIP default: 1.0"
     assert entries["--lr"].endswith("(default: 0.0006)")
     assert entries["--target"].endswith("(default: the shipped demo target)")
 
