@@ -117,6 +117,7 @@ class TrainArgs:
     eval_max_new_tokens: int = 96
     eval_every: int = field(default=200, metadata={"help": "exact teacher-forced tau on the held-out prompts every N optimizer steps (0: off)"})
     eval_dtype: str = field(default="auto", metadata={"help": "the final eval's: auto (bfloat16 on a GPU, as served; float32 on the CPU) | float32 (the exact lossless check on every prompt) | bfloat16"})
+    final_eval: bool = field(default=True, metadata={"help": "decode the held-out prompts with the untrained and the trained drafter at the end (false: only the periodic exact tau, whose last one is taken at the last step: probes at equal GPU time)"})
     eval_lossless_prompts: int = field(default=4, metadata={"help": "when the final eval is not float32, the trained drafter also decodes this many of its prompts in float32, where speculative decoding must equal greedy exactly (0: skip)"})
 
 

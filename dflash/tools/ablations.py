@@ -13,7 +13,10 @@ as mean and spread.
         --extra "--target model.gguf --train-data regen.jsonl --eval-data heldout.jsonl --max-minutes 3"
 
 The last probes a small target's recipe at equal GPU time: --max-minutes gives every variant the
-same minutes, whatever its step costs.
+same minutes, whatever its step costs. `--score teacher-forced` there scores each run by the exact
+tau its training logs at its last step (dflash/eval/periodic.py: the chain real decoding walks,
+on --eval-prompts held-out prompts) and skips the closing decode (`--final-eval false`), which on a
+GPU costs nearly as much as a 2-minute probe.
 
 The baseline is `--loss ce --lr-schedule cosine` unless --baseline says otherwise ("" for the
 recipe's own defaults, e.g. on a real target); one --out holds one baseline's runs.
@@ -75,6 +78,7 @@ class AblationArgs:
     extra: str = ""  # more train_drafter.py flags for every run
     baseline: str = BASELINE  # the flags every variant changes one of ("": the recipe's defaults)
     table_only: bool = False  # tabulate the finished runs, train nothing (the seeds column says how many)
+    score: str = "decoded"  # decoded (the closing real decoding's tau) | teacher-forced (the tau logged at the last step)
 
 
 def run_dir(out: Path, flags: list[str], seed: int) -> Path:
@@ -84,12 +88,14 @@ def run_dir(out: Path, flags: list[str], seed: int) -> Path:
 
 
 def train_once(folder: Path, flags: list[str], seed: int, extra: str, gpu: int | None = None,
-               baseline: str = BASELINE) -> None:
-    """Train one run (on the given GPU, if any) unless its eval.json exists."""
-    if (folder / "eval.json").is_file():
+               baseline: str = BASELINE, score: str = "decoded") -> None:
+    """Train one run (on the given GPU, if any) unless it has finished."""
+    if finished_tau(folder, score) is not None:
         return
     cmd = [sys.executable, "-m", "dflash.training", "--output-dir", str(folder), "--overwrite",
            "--report-to", "none", "--seed", str(seed), *shlex.split(baseline), *flags, *shlex.split(extra)]
+    if score == "teacher-forced":
+        cmd += ["--final-eval", "false"]
     env = dict(os.environ) if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
     folder.mkdir(parents=True, exist_ok=True)
     with (folder.parent / f"{folder.name}.log").open("w") as log:
@@ -100,10 +106,21 @@ def train_once(folder: Path, flags: list[str], seed: int, extra: str, gpu: int |
         raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}); see {folder.parent / folder.name}.log")
 
 
-def finished_tau(folder: Path) -> float | None:
-    """The real tau of a finished run (eval.json's `trained.tau`), None while it has not finished."""
-    report = folder / "eval.json"
-    return float(json.loads(report.read_text())["trained"]["tau"]) if report.is_file() else None
+def finished_tau(folder: Path, score: str = "decoded") -> float | None:
+    """A finished run's tau, None while it has not finished: `decoded`, the closing real decoding's
+    (eval.json's `trained.tau`); `teacher-forced`, the exact tau measured at the last step of a run
+    whose drafter is exported (its metrics.jsonl's last record)."""
+    if score == "decoded":
+        report = folder / "eval.json"
+        return float(json.loads(report.read_text())["trained"]["tau"]) if report.is_file() else None
+    metrics = folder / "metrics.jsonl"
+    if not (folder / "drafter" / "config.json").is_file() or not metrics.is_file():
+        return None
+    last = json.loads(metrics.read_text().splitlines()[-1])
+    if last.get("tau_step") != last["step"]:
+        raise RuntimeError(f"{metrics}: no exact tau at the last step ({last['step']}); the runs need --eval-data "
+                           "and --eval-prompts > 0 to be scored --score teacher-forced")
+    return float(last["tau"])
 
 
 def table(results: dict[str, list[tuple[str, list[float]]]]) -> str:
@@ -125,16 +142,19 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = [n for n in names if n not in GROUPS]
     if unknown:
         raise SystemExit(f"--groups: unknown {unknown}; known: {', '.join(GROUPS)}")
+    if args.score not in ("decoded", "teacher-forced"):
+        raise SystemExit(f"--score {args.score}: use decoded or teacher-forced")
     jobs = {run_dir(out, flags, seed): (flags, seed) for n in names for _, flags in GROUPS[n] for seed in seeds}
     if not args.table_only:
         gpus = torch.cuda.device_count()
 
         def run(index: int, folder: Path) -> None:  # runs take the visible GPUs in turn
-            train_once(folder, *jobs[folder], args.extra, index % gpus if gpus else None, args.baseline)
+            train_once(folder, *jobs[folder], args.extra, index % gpus if gpus else None, args.baseline, args.score)
 
         with ThreadPoolExecutor(max_workers=args.parallel) as pool:
             list(pool.map(run, range(len(jobs)), jobs))
-    results = {n: [(variant, [tau for s in seeds if (tau := finished_tau(run_dir(out, flags, s))) is not None])
+    results = {n: [(variant, [tau for s in seeds
+                              if (tau := finished_tau(run_dir(out, flags, s), args.score)) is not None])
                    for variant, flags in GROUPS[n]] for n in names}
     (out / "ablations.json").write_text(json.dumps(results, indent=1))
     (out / "ablations.md").write_text(table(results))

@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     ranks = RANKS = init_distributed(config.train.device, config.train.dist_timeout_minutes)
     try:
         result = train(config, ranks)
-        if config.data.eval_data and config.train.eval_prompts > 0:
+        if config.data.eval_data and config.train.eval_prompts > 0 and config.train.final_eval:
             final_evaluation(config, result, ranks)
     except USER_ERRORS as err:
         ENDING.set()
