@@ -114,7 +114,8 @@ class RunReport:
                        "outputs collapsed onto the most frequent tokens, and it learns little until it leaves that "
                        "state (a learning rate that rose too fast for this target: on Qwen2.5-Coder-0.5B a 10-step "
                        "warmup to --lr 3e-3 collapsed where a 30-step one did not); restart with a lower --lr (now %g) "
-                       "or a longer --warmup-ratio (now %g)", step, record["distinct_predictions"], record["scored_slots"], t.lr, t.warmup_ratio)
+                       "or a longer warmup (--min-warmup-steps, now %d; --warmup-ratio, now %g)", step,
+                       record["distinct_predictions"], record["scored_slots"], t.lr, t.min_warmup_steps, t.warmup_ratio)
 
     @property
     def seconds(self) -> float:
