@@ -48,16 +48,15 @@ def test_a_teacher_forced_sweep_scores_each_run_by_the_tau_at_its_last_step_with
         tiny_setup, tmp_path, monkeypatch):
     from dflash.tools import ablations
 
-    monkeypatch.setattr(ablations, "GROUPS", {"block size": [("default", []), ("4", ["--block-size", "4"])]})
+    monkeypatch.setattr(ablations, "GROUPS", {"block size": [("default", [])]})
     base = tiny_args(tiny_setup, tmp_path / "unused")[:4]
     extra = [*base, "--eval-data", str(tiny_setup["train"]), "--eval-prompts", "1", "--eval-max-new-tokens", "4",
              "--eval-every", "100", "--max-steps", "2", "--num-draft-layers", "1", "--block-size", "8",
              "--max-anchors", "8", "--max-length", "96", "--max-tokens", "256", "--num-target-features", "2"]
     results = ablations.main(["--out", str(tmp_path / "sweep"), "--seeds", "0", "--extra", " ".join(extra),
                               "--score", "teacher-forced"])
-    for name, (_, taus) in zip(["default-seed0", "block-size-4-seed0"], results["block size"]):
-        run = tmp_path / "sweep" / name
-        assert not (run / "eval.json").exists(), "the closing decode was skipped"
-        last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
-        assert last["step"] == last["tau_step"] == 2 and taus == [last["tau"]]
-        assert "--final-eval false" in (tmp_path / "sweep" / f"{name}.log").read_text().splitlines()[0]
+    run = tmp_path / "sweep" / "default-seed0"
+    assert (run / "drafter" / "config.json").is_file() and not (run / "eval.json").exists(), "no closing decode"
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == last["tau_step"] == 2 and results["block size"] == [("default", [last["tau"]])]
+    assert "--final-eval false" in (tmp_path / "sweep" / "default-seed0.log").read_text().splitlines()[0]
