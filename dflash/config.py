@@ -1,7 +1,8 @@
 """Typed run configuration, parsed from CLI flags or a JSON/YAML file by HfArgumentParser.
 
-Fields left at None take the published DFlash recipe, or the demo preset when no `--target`
-is given (the shipped demo target and data, sized to finish in minutes on a laptop CPU).
+Fields left at None take a preset's value (`--preset`): the published DFlash recipe, the small-target
+preset (a cheaper drafter step, for targets whose own forward is cheap), or the demo preset when no
+`--target` is given (the shipped demo target and data, sized to finish in minutes on a laptop CPU).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ DEFAULT_SAVE_MINUTES = 30.0  # a week-long run keeps a checkpoint this often unl
 class ModelArgs:
     target: str | None = field(default=None, metadata={"help": "HF causal-LM folder, or a .gguf file (de-quantized once into <output-dir>/target-hf) (default: the shipped demo target)"})
     tokenizer: str | None = field(default=None, metadata={"help": "tokenizer folder with a chat template, or a .gguf file (default: --target)"})
+    preset: str = field(default="auto", metadata={"help": "the defaults of the flags left unset: recipe (the published DFlash recipe, targets of about 4B and up) | small (B=8, 128 anchors, a 32,768-token draft vocabulary, cut replies kept: targets of up to about 2B, such as Qwen2.5-Coder-0.5B) | demo; auto: demo for the shipped demo target, else recipe"})
     num_draft_layers: int | None = field(default=None, metadata={"help": "drafter layers (recipe 5, demo 3)"})
     target_layer_ids: list[int] | None = field(default=None, metadata={"help": "target layers whose outputs feed the drafter"})
     num_target_features: int | None = field(default=None, metadata={
@@ -42,7 +44,7 @@ class ModelArgs:
         "help": "start drafter layer i as a copy of target layer i of this list (one per drafter layer; default: random)"})
     block_size: int | None = field(default=None, metadata={"help": "B, tokens drafted per forward (recipe 16, demo 8)"})
     draft_window: int = field(default=0, metadata={"help": "sliding window of the drafter's layers: a block sees the W context positions before its anchor (0: all)"})
-    draft_vocab: int = field(default=0, metadata={"help": "N > 0: the drafter drafts from the N tokens most frequent in the training replies, through those rows of the target's lm_head, a fraction of its cost on a small target with a large vocabulary (0: every token)"})
+    draft_vocab: int | None = field(default=None, metadata={"help": "N > 0: the drafter drafts from the N tokens most frequent in the training replies, through those rows of the target's lm_head, a fraction of its cost on a small target with a large vocabulary (0: every token; recipe 0, small 32768)"})
     mask_token_id: int | None = field(default=None, metadata={"help": "default: tokenizer mask token, else a spare embedding row (a GGUF's first [PAD<row>] placeholder, else the first row past the tokenizer)"})
     allow_tokenizer_mismatch: bool = field(default=False, metadata={
         "help": "train although --tokenizer's special ids or vocabulary differ from --target's (a warning, not an error)"})
@@ -58,7 +60,7 @@ class DataArgs:
     overflow: str = field(default="truncate", metadata={"help": "longer sequences: truncate | drop"})
     loss_turns: str = field(default="last", metadata={"help": "assistant turns in the loss: last (the reply the target regenerated; earlier replies of a multi-turn prompt are the dataset's) | all (each rendered as serving renders it)"})
     thinking: str = field(default="auto", metadata={"help": THINKING_HELP})
-    cut_replies: str = field(default=DEFAULT_CUT_REPLIES, metadata={"help": "replies the regeneration cut at its length limit (target_reply.finish_reason length): drop (default: left out, counted in the shard's manifest) | keep (trained as cut, never closed by an end-of-turn token)"})
+    cut_replies: str | None = field(default=None, metadata={"help": "replies the regeneration cut at its length limit (target_reply.finish_reason length): drop (left out, counted in the shard's manifest; recipe, demo) | keep (trained as cut, never closed by an end-of-turn token; small)"})
     on_bad_sample: str = field(default="skip", metadata={"help": "skip (counted, listed in <output-dir>/data/train/bad_samples.txt) | error"})
     max_bad_fraction: float = field(default=0.01, metadata={"help": "with skip: more bad samples than this fraction stops the run"})
     bucket_boundaries: list[int] = field(default_factory=lambda: list(DEFAULT_BUCKETS))
@@ -122,13 +124,22 @@ class TrainArgs:
 
 
 RECIPE = {"num_draft_layers": 5, "num_target_features": 5, "block_size": 16, "epochs": 6, "max_anchors": 512,
-          "max_length": 3072, "max_tokens": 8192, "cache_target_features": False}
+          "max_length": 3072, "max_tokens": 8192, "cache_target_features": False, "draft_vocab": 0,
+          "cut_replies": DEFAULT_CUT_REPLIES}
+# Targets of up to about 2B parameters: their own forward is cheap, so the drafter's step decides how
+# many steps a GPU-minute buys. 8 tokens a block, 128 anchors and the 32,768 most frequent reply tokens
+# (98.8% of Qwen2.5-Coder-0.5B's) make the step about a third of the recipe's; such runs go through
+# their replies several times, so the third of them cut at the length limit are kept as more data
+# (BENCHMARKS.md "Qwen2.5-Coder-0.5B": tau 2.71 at 128 tokens after 12 minutes).
+SMALL = {**RECIPE, "block_size": 8, "max_anchors": 128, "draft_vocab": 32768, "cut_replies": "keep"}
 # The demo runs on a laptop CPU, where verifying B tokens costs more than one token's arithmetic
 # (a GPU verifies 16 for the price of one), so it drafts 8. Copying text, as the demo target does,
 # takes a drafter of 3 layers a few epochs to learn; 4 fit the demo's ten minutes (BENCHMARKS.md
 # "The demo's drafter").
 DEMO = {"num_draft_layers": 3, "num_target_features": 4, "block_size": 8, "epochs": 4, "max_anchors": 16,
-        "max_length": 512, "max_tokens": 2048, "cache_target_features": True}
+        "max_length": 512, "max_tokens": 2048, "cache_target_features": True, "draft_vocab": 0,
+        "cut_replies": DEFAULT_CUT_REPLIES}
+PRESETS = {"recipe": RECIPE, "small": SMALL, "demo": DEMO}
 
 
 @dataclass
@@ -189,7 +200,9 @@ def flags_from_file(path: str, parser: HfArgumentParser) -> list[str]:
 
 
 def fill_defaults(config: RunConfig) -> None:
-    preset = DEMO if config.is_demo else RECIPE
+    name = config.model.preset
+    _require(name == "auto" or name in PRESETS, f"--preset {name}: use auto or one of {', '.join(PRESETS)}")
+    preset = PRESETS[name] if name != "auto" else DEMO if config.is_demo else RECIPE
     for part in (config.model, config.data, config.train):
         for f in fields(part):
             if f.name in preset and getattr(part, f.name) is None:

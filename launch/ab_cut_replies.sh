@@ -50,7 +50,7 @@ for variant in ${VARIANTS:-keep drop closed}; do
   # shellcheck disable=SC2086  # EXTRA_TRAIN_FLAGS is a list of flags
   "$PY" train_drafter.py --target "$TARGET" --train-data "$data" --eval-data "$DATA/heldout.jsonl" \
     --output-dir "$RUN/$variant" --overwrite --max-length 2048 --epochs 1000 --max-steps "${STEPS:-400}" \
-    --max-tokens 32768 --cut-replies "$policy" --eval-every "${STEPS:-400}" --eval-dtype bfloat16 \
+    --max-tokens 32768 --preset "$PRESET" --cut-replies "$policy" --eval-every "${STEPS:-400}" --eval-dtype bfloat16 \
     --eval-prompts "${EVAL_PROMPTS:-64}" --eval-max-new-tokens 128 --report-to none \
     ${MASK_ID:+--mask-token-id "$MASK_ID"} ${EXTRA_TRAIN_FLAGS:-}
   for new in ${EVAL_NEW-384}; do

@@ -37,7 +37,7 @@ for size in $SIZES; do
   # shellcheck disable=SC2086  # EXTRA_TRAIN_FLAGS is a list of flags
   "$PY" train_drafter.py --target "$TARGET" --train-data "$DATA/regen_n$size.jsonl" --eval-data "$DATA/heldout.jsonl" \
     --output-dir "$RUN/n$size" --overwrite --max-length 2048 --epochs 1000 --max-minutes "${MINUTES:-4}" \
-    --max-tokens 32768 --eval-every "${EVAL_EVERY:-250}" --eval-dtype bfloat16 \
+    --max-tokens 32768 --preset "$PRESET" --eval-every "${EVAL_EVERY:-250}" --eval-dtype bfloat16 \
     --eval-prompts "${EVAL_PROMPTS:-64}" --eval-max-new-tokens 128 --report-to none \
     ${MASK_ID:+--mask-token-id "$MASK_ID"} ${EXTRA_TRAIN_FLAGS:-}
   for new in ${EVAL_NEW:-}; do

