@@ -6,6 +6,9 @@ must produce the same greedy tokens. A greedy step and a cycle are timed in thei
 each prompt's prefill, and every ratio divides by that greedy step (`greedy_step` says which).
 On the fast path the cycle's parts are also timed alone (`cycle_parts`): what a cycle costs
 beyond their sum (`beyond_parts_ms`) is what the loop adds (the host's turn, caches evicted).
+`--profile` also replays each part under torch.profiler (`fast_cycle_profile`): the kernels one
+call runs, their summed device time and the costliest by name, which tells a part bound by its
+kernel count (many kernels of a few microseconds) from one bound by a few large ones.
 
     python -m dflash.benchmarks.decode --target T --prompts heldout.jsonl --output decode.json
     python -m dflash.benchmarks.decode --target assets/demo/target --prompts assets/demo/data/heldout.jsonl \
@@ -18,7 +21,9 @@ import json
 import logging
 import sys
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -59,6 +64,8 @@ class DecodeBenchmarkArgs:
     dtype: str = "bfloat16"
     device: str = "auto"
     output: str | None = None
+    profile: bool = field(default=False, metadata={
+        "help": "also replay each cycle part under torch.profiler: kernels per call, their device time, the costliest"})
 
 
 def load_for_decoding(target_path: str, tokenizer_path: str | None, prompts_path: str, num_prompts: int,
@@ -105,10 +112,9 @@ def timed(decoder: Decoder, prompts: list[list[int]], max_new_tokens: int, eos: 
 
 
 @torch.no_grad()
-def cycle_parts(decoder: Decoder, prompt: list[int], block_size: int, repeats: int = 200) -> dict:
-    """ms per call of each part of a speculative cycle, each replayed `repeats` times in a row
-    after the prompt (the GPU runs them back to back, so this is their device cost): the
-    drafter's first proposal, the target's verify of B tokens, the drafter's advance (take the
+def cycle_part_calls(decoder: Decoder, prompt: list[int]) -> dict[str, Callable[[], object]]:
+    """The parts of a speculative cycle as calls that can be replayed in a row after the prompt:
+    the drafter's first proposal, the target's verify of B tokens, the drafter's advance (take the
     B tokens' features, accept, propose the next block), and, for scale, one greedy step."""
     device = decoder.target.device
     session, draft = decoder.session, decoder.draft
@@ -118,12 +124,18 @@ def cycle_parts(decoder: Decoder, prompt: list[int], block_size: int, repeats: i
     proposal = draft.start(token, anchor).clone()
     block_choice, block_features = (t.clone() for t in session.step(proposal, anchor))
     outcome = torch.cat([proposal[0, 1:], block_choice[0]])
-    parts = {"propose": lambda: draft.start(token, anchor),
-             "verify": lambda: session.step(proposal, anchor),
-             "advance": lambda: draft.advance(outcome, block_features, anchor),
-             "greedy_step": lambda: session.step(proposal[:, :1], anchor)}
+    return {"propose": lambda: draft.start(token, anchor),
+            "verify": lambda: session.step(proposal, anchor),
+            "advance": lambda: draft.advance(outcome, block_features, anchor),
+            "greedy_step": lambda: session.step(proposal[:, :1], anchor)}
+
+
+@torch.no_grad()
+def cycle_parts(calls: dict[str, Callable[[], object]], device: torch.device, repeats: int = 200) -> dict:
+    """ms per call of each part, replayed `repeats` times in a row (the GPU runs them back to
+    back, so this is their device cost)."""
     report = {}
-    for name, run in parts.items():
+    for name, run in calls.items():
         run()  # capture
         synchronize(device)
         start = time.perf_counter()
@@ -132,6 +144,41 @@ def cycle_parts(decoder: Decoder, prompt: list[int], block_size: int, repeats: i
         synchronize(device)
         report[f"{name}_ms"] = round(1000 * (time.perf_counter() - start) / repeats, 3)
     return report
+
+
+@torch.no_grad()
+def kernel_profile(calls: dict[str, Callable[[], object]], device: torch.device, repeats: int = 20,
+                   top: int = 6) -> dict:
+    """Each part's replays under torch.profiler: on a GPU the kernels its CUDA graph runs, on
+    the CPU its top-level ATen ops (`summarize_work`)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    report = {}
+    for name, run in calls.items():
+        run()  # capture
+        synchronize(device)
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as profiler:
+            for _ in range(repeats):
+                run()
+            synchronize(device)
+        work = [(event.name, event.time_range.elapsed_us()) for event in profiler.events()
+                if (event.device_type == DeviceType.CUDA if cuda else event.cpu_parent is None)]
+        report[name] = summarize_work(work, repeats, top)
+    return report
+
+
+def summarize_work(work: list[tuple[str, float]], calls: int, top: int) -> dict:
+    """(name, microseconds) of every kernel `calls` calls ran -> per call: how many, their summed
+    time, and the `top` names that cost most."""
+    by_name: dict[str, float] = defaultdict(float)
+    for name, us in work:
+        by_name[name] += us
+    costliest = sorted(by_name.items(), key=lambda item: -item[1])[:top]
+    return {"kernels_per_call": round(len(work) / calls, 1),
+            "kernel_ms_per_call": round(sum(us for _, us in work) / calls / 1000, 4),
+            "costliest_ms_per_call": {name[:100]: round(us / calls / 1000, 4) for name, us in costliest}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,10 +212,15 @@ def main(argv: list[str] | None = None) -> int:
         report[f"{kind}_speculative"], _ = timed(decoder, prompts[:count], args.max_new_tokens, eos, True, fast)
         logger.info("%s: greedy %s | speculative (untrained drafter) %s", kind, report[f"{kind}_greedy"],
                     report[f"{kind}_speculative"])
-    parts = report["fast_cycle_parts"] = cycle_parts(decoder, prompts[0], args.block_size)
+    calls = cycle_part_calls(decoder, prompts[0])
+    parts = report["fast_cycle_parts"] = cycle_parts(calls, device)
     cycle = report["fast_speculative"]["ms_per_cycle"]
     parts["beyond_parts_ms"] = round(cycle - parts["verify_ms"] - parts["advance_ms"], 3)
     logger.info("fast cycle parts: %s", parts)
+    if args.profile:
+        report["fast_cycle_profile"] = kernel_profile(calls, device)
+        for name, summary in report["fast_cycle_profile"].items():
+            logger.info("profile of %s: %s", name, summary)
     report["same_tokens"] = tokens["fast"][: args.plain_prompts] == tokens["plain"]
     report["greedy_speedup"] = round(report["fast_greedy"]["tokens_per_second"]
                                      / report["plain_greedy"]["tokens_per_second"], 2)

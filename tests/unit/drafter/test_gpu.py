@@ -252,3 +252,20 @@ def test_sampling_inside_cuda_graphs_draws_fresh_numbers_at_every_replay():
     columns = list(zip(*first))[1:]  # the tokens of each graph replay, one per row
     assert all(len(set(column)) > 1 for column in columns), "rows draw independently inside the graph"
     assert len(set(columns)) == len(columns), "each replay draws new numbers"
+
+
+def test_the_decode_profile_sees_the_kernels_inside_each_parts_cuda_graph():
+    """On a GPU the cycle's parts replay CUDA graphs; their profile must count the kernels inside
+    (a graph launch alone would report none), and the decoder stays exact afterwards."""
+    import dflash.eval.speculative as speculative
+    from conftest import tiny_drafter, tiny_target
+    from dflash.benchmarks.decode import cycle_part_calls, kernel_profile
+
+    target = tiny_target("llama", dtype=torch.float32)
+    target.model.cuda()
+    decoder = speculative.Decoder(target, tiny_drafter(target, block_size=4).cuda().eval(), 64, "fast")
+    profiles = kernel_profile(cycle_part_calls(decoder, [5, 17, 3, 44, 9]), target.device, repeats=3)
+    for name, summary in profiles.items():
+        assert summary["kernels_per_call"] >= 5 and summary["kernel_ms_per_call"] > 0, (name, summary)
+    assert decoder.speculative([5, 17, 3, 44, 9], 12, set()).tokens \
+        == speculative.greedy_decode(target, [5, 17, 3, 44, 9], 12, set()).tokens

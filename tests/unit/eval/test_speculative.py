@@ -237,19 +237,37 @@ def test_demo_target_output_equals_greedy():
         assert speculative.speculative_decode(target, drafter, prompt, 48, eos, kind="fast").tokens == greedy.tokens
 
 
-def test_the_decode_benchmark_times_each_part_of_a_cycle_and_leaves_the_decoder_exact():
+def test_the_decode_benchmark_times_and_profiles_each_part_of_a_cycle_and_leaves_the_decoder_exact():
     """dflash.benchmarks.decode replays the cycle's parts alone on a live decoder: each gets a
-    time, and the decoder goes on giving greedy's tokens afterwards."""
-    from dflash.benchmarks.decode import cycle_parts
+    time and a profile, and the decoder goes on giving greedy's tokens afterwards."""
+    from dflash.benchmarks.decode import cycle_part_calls, cycle_parts, kernel_profile
 
     target = tiny_target("llama", dtype=torch.float32)
     decoder = speculative.Decoder(target, tiny_drafter(target, block_size=4).eval(), 64, "fast")
     prompt = [5, 17, 3, 44, 9]
-    parts = cycle_parts(decoder, prompt, 4, repeats=3)
+    calls = cycle_part_calls(decoder, prompt)
+    parts = cycle_parts(calls, target.device, repeats=3)
     assert set(parts) == {"propose_ms", "verify_ms", "advance_ms", "greedy_step_ms"}
     assert min(parts.values()) > 0
+    profiles = kernel_profile(calls, target.device, repeats=2, top=3)
+    assert set(profiles) == {"propose", "verify", "advance", "greedy_step"}
+    for summary in profiles.values():  # on the CPU: the top-level ATen ops, linear layers among them
+        assert summary["kernels_per_call"] > 5 and summary["kernel_ms_per_call"] > 0
+        assert len(summary["costliest_ms_per_call"]) == 3
+    # a verify of 4 tokens runs the target's layers, as a greedy step does; a proposal runs the drafter's
+    assert any("linear" in name or "addmm" in name or "mm" in name for name in profiles["verify"]["costliest_ms_per_call"])
     expected = speculative.greedy_decode(target, prompt, 12, set()).tokens
     assert decoder.speculative(prompt, 12, set()).tokens == expected
+
+
+def test_a_profile_counts_kernels_per_call_and_ranks_them_by_time():
+    from dflash.benchmarks.decode import summarize_work
+
+    work = [("gemv", 5.0), ("norm", 2.0), ("gemv", 5.0), ("norm", 2.0), ("copy", 1.0)] * 4  # 4 calls
+    summary = summarize_work(work, calls=4, top=2)
+    assert summary["kernels_per_call"] == 5
+    assert summary["kernel_ms_per_call"] == 0.015
+    assert summary["costliest_ms_per_call"] == {"gemv": 0.01, "norm": 0.004}
 
 
 def test_the_decode_benchmark_divides_every_ratio_by_the_greedy_loops_step(tiny_setup, tmp_path):
