@@ -19,7 +19,10 @@ on --eval-prompts held-out prompts) and skips the closing decode (`--final-eval 
 GPU costs nearly as much as a 2-minute probe.
 
 The baseline is `--loss ce --lr-schedule cosine` unless --baseline says otherwise ("" for the
-recipe's own defaults, e.g. on a real target); one --out holds one baseline's runs.
+recipe's own defaults, e.g. on a real target; "--preset small" for a small target's); one --out
+holds one baseline's runs. Under another baseline a variant can be the baseline itself (B=16 under
+the recipe's defaults, B=8 under --preset small): it is not trained again, and the group's baseline
+row takes its name.
 
 Runs that already wrote eval.json are reused, so an interrupted sweep continues where it
 stopped. The table goes to <out>/ablations.md and the numbers to <out>/ablations.json.
@@ -34,11 +37,12 @@ import statistics
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from dflash.config import parse_config
 from dflash.util.cli import cli_parser
 
 # Every run starts from these flags (--baseline), so the table stays one baseline as defaults
@@ -61,11 +65,13 @@ GROUPS: dict[str, list[tuple[str, list[str]]]] = {
     "features": [("target's", []), ("zeroed (control)", ["--zero-features"])],
     "distillation": [("off", []), ("kl 1", ["--kl-weight", "1"])],
     "feature noise": [("off", []), ("0.1", ["--feature-noise-std", "0.1"])],
-    # what a small target's drafter learns per GPU-minute: probe these at equal time (--extra "--max-minutes M")
-    "anchors per sequence": [("default", []), ("256", ["--max-anchors", "256"]), ("128", ["--max-anchors", "128"])],
+    # what a small target's drafter learns per GPU-minute: probe these at equal time (--extra "--max-minutes M");
+    # each lists the recipe's and the small preset's values, so either baseline tests the other
+    "anchors per sequence": [("default", []), ("512", ["--max-anchors", "512"]), ("256", ["--max-anchors", "256"]),
+                             ("128", ["--max-anchors", "128"])],
     "block size": [("default", []), ("8", ["--block-size", "8"]), ("16", ["--block-size", "16"])],
     "learning rate": [("6e-4", []), ("3e-4", ["--lr", "3e-4"]), ("1.2e-3", ["--lr", "1.2e-3"])],
-    "draft vocabulary": [("every token", []), ("32768", ["--draft-vocab", "32768"])],
+    "draft vocabulary": [("default", []), ("every token", ["--draft-vocab", "0"]), ("32768", ["--draft-vocab", "32768"])],
 }
 
 
@@ -79,6 +85,19 @@ class AblationArgs:
     baseline: str = BASELINE  # the flags every variant changes one of ("": the recipe's defaults)
     table_only: bool = False  # tabulate the finished runs, train nothing (the seeds column says how many)
     score: str = "decoded"  # decoded (the closing real decoding's tau) | teacher-forced (the tau logged at the last step)
+
+
+def variants_run(group: str, baseline: str, extra: str) -> list[tuple[str, list[str]]]:
+    """The group's variants, less those whose flags give the baseline's own configuration
+    (defaults and preset filled in): the first of those names the baseline's row instead."""
+    def resolved(flags: list[str]) -> dict:
+        return asdict(parse_config([*shlex.split(baseline), *flags, *shlex.split(extra)], for_training=False))
+
+    (first, flags), *others = GROUPS[group]
+    same = resolved(flags)
+    repeats = [name for name, variant in others if resolved(variant) == same]
+    return [(repeats[0] if repeats else first, flags)] + [(name, variant) for name, variant in others
+                                                          if name not in repeats]
 
 
 def run_dir(out: Path, flags: list[str], seed: int) -> Path:
@@ -144,7 +163,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--groups: unknown {unknown}; known: {', '.join(GROUPS)}")
     if args.score not in ("decoded", "teacher-forced"):
         raise SystemExit(f"--score {args.score}: use decoded or teacher-forced")
-    jobs = {run_dir(out, flags, seed): (flags, seed) for n in names for _, flags in GROUPS[n] for seed in seeds}
+    groups = {n: variants_run(n, args.baseline, args.extra) for n in names}
+    jobs = {run_dir(out, flags, seed): (flags, seed) for n in names for _, flags in groups[n] for seed in seeds}
     if not args.table_only:
         gpus = torch.cuda.device_count()
 
@@ -155,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
             list(pool.map(run, range(len(jobs)), jobs))
     results = {n: [(variant, [tau for s in seeds
                               if (tau := finished_tau(run_dir(out, flags, s), args.score)) is not None])
-                   for variant, flags in GROUPS[n]] for n in names}
+                   for variant, flags in groups[n]] for n in names}
     (out / "ablations.json").write_text(json.dumps(results, indent=1))
     (out / "ablations.md").write_text(table(results))
     print(table(results))
