@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
@@ -103,14 +104,20 @@ class DFlashAttention(nn.Module):
         v = self._heads(self.v_proj(x), self.num_kv_heads)
         return k, v
 
-    def forward(self, block, cos, sin, context_k, context_v, mask, columns=None) -> torch.Tensor:
+    def forward(self, block, cos, sin, context_k, context_v, mask, columns=None, qkv=None) -> torch.Tensor:
         """Training: keys/values are the context's followed by the block's, under `mask` from
         dflash.drafter.attention. Decoding (`columns` given): context_k/v are a DrafterCache
         layer; the block's keys/values are written into it at `columns` [B] (anchor + k, whose
         context entries the block may not see, and which the next extend_context rewrites), and
-        the block attends to the whole cache under the additive `mask` [b, 1, group x B, capacity]."""
-        q = rotate(self.q_norm(self._heads(self.q_proj(block), self.num_heads)), cos, sin)
-        k, v = self.key_values(block, cos, sin)
+        the block attends to the whole cache under the additive `mask` [b, 1, group x B, capacity].
+        `qkv`: this layer's StackedProjections weight, one product for q, k and v."""
+        if qkv is None:
+            q = rotate(self.q_norm(self._heads(self.q_proj(block), self.num_heads)), cos, sin)
+            k, v = self.key_values(block, cos, sin)
+        else:
+            q, k, v = self._heads(F.linear(block, qkv), self.num_heads + 2 * self.num_kv_heads).split(
+                [self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+            q, k = rotate(self.q_norm(q), cos, sin), rotate(self.k_norm(k), cos, sin)
         b, _, t, d = q.shape
         if columns is None:
             out = attend(q, torch.cat([context_k, k], dim=2), torch.cat([context_v, v], dim=2), mask)  # [b, Hq, Q, d]
@@ -130,8 +137,8 @@ class DFlashLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = Qwen3MLP(config)
 
-    def forward(self, block, cos, sin, context_k, context_v, mask, columns=None) -> torch.Tensor:
-        block = block + self.self_attn(self.input_layernorm(block), cos, sin, context_k, context_v, mask, columns)
+    def forward(self, block, cos, sin, context_k, context_v, mask, columns=None, qkv=None) -> torch.Tensor:
+        block = block + self.self_attn(self.input_layernorm(block), cos, sin, context_k, context_v, mask, columns, qkv)
         return block + self.mlp(self.post_attention_layernorm(block))
 
 
@@ -154,6 +161,24 @@ class DrafterCache:
     @property
     def capacity(self) -> int:
         return self.keys.shape[3]
+
+
+@dataclass
+class StackedProjections:
+    """The drafter's projections that decoding applies to one input, each stacked into one weight
+    (copies, made once per decoder): every layer's context keys and values (one matrix product
+    where there were 2 x layers) and each layer's block queries, keys and values (one where there
+    were 3). A batch-1 decode step is bound by its kernel count; training keeps them apart."""
+
+    context_kv: torch.Tensor  # [layers x 2 x Hkv x d, D]: layer 0's keys, its values, layer 1's keys, ...
+    block_qkv: list[torch.Tensor]  # per layer [(Hq + 2 Hkv) x d, D]
+
+    @classmethod
+    @torch.no_grad()
+    def of(cls, drafter: "DFlashDrafter") -> "StackedProjections":
+        attentions = [layer.self_attn for layer in drafter.layers]
+        return cls(torch.cat([w for a in attentions for w in (a.k_proj.weight, a.v_proj.weight)]),
+                   [torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]) for a in attentions])
 
 
 def head_vocab_size(config: Qwen3Config) -> int:
@@ -226,22 +251,32 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
     @torch.no_grad()
-    def extend_context(self, cache: DrafterCache, features: torch.Tensor, positions: torch.Tensor) -> None:
-        """Write tokens' target features [b, T, K*D] at `positions` [1, T] (one set for all rows)."""
+    def extend_context(self, cache: DrafterCache, features: torch.Tensor, positions: torch.Tensor,
+                       stacked: StackedProjections | None = None) -> None:
+        """Write tokens' target features [b, T, K*D] at `positions` [1, T] (one set for all rows);
+        with `stacked`, every layer's keys and values come from one matrix product."""
         context = self.fuse_context(features)
         cos, sin = self.rotary(positions, context.dtype)
-        for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.key_values(context, cos, sin)
+        if stacked is None:
+            keys_values = [layer.self_attn.key_values(context, cos, sin) for layer in self.layers]
+        else:
+            b, t, _ = context.shape
+            kv = F.linear(context, stacked.context_kv).view(b, t, len(self.layers), 2, self.config.num_key_value_heads,
+                                                            self.config.head_dim)
+            keys_values = [(rotate(layer.self_attn.k_norm(kv[:, :, i, 0].transpose(1, 2)), cos, sin),
+                            kv[:, :, i, 1].transpose(1, 2)) for i, layer in enumerate(self.layers)]
+        for i, (k, v) in enumerate(keys_values):
             cache.keys[i].index_copy_(2, positions[0], k)
             cache.values[i].index_copy_(2, positions[0], v)
 
     @torch.no_grad()
-    def draft(self, cache: DrafterCache, block_embeds: torch.Tensor, block_positions: torch.Tensor) -> torch.Tensor:
+    def draft(self, cache: DrafterCache, block_embeds: torch.Tensor, block_positions: torch.Tensor,
+              stacked: StackedProjections | None = None) -> torch.Tensor:
         """Inference forward of one block per sequence over the cached context: the block sees
         the context columns before its anchor (the last `window` of them with a sliding window)
         and all of its own slots, whose keys/values it writes at their positions' columns.
-        block_positions [1, B] (one set for all rows, as in extend_context), anchor first.
-        Returns [b, B, D]."""
+        block_positions [1, B] (one set for all rows, as in extend_context), anchor first;
+        `stacked`: each layer's q, k and v from one matrix product. Returns [b, B, D]."""
         columns = block_positions[0]
         anchor = columns[0]
         cache_columns = torch.arange(cache.capacity, device=columns.device)
@@ -255,5 +290,6 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rotary(block_positions, block_embeds.dtype)
         x = block_embeds.to(dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.keys[i], cache.values[i], mask, columns)
+            x = layer(x, cos, sin, cache.keys[i], cache.values[i], mask, columns,
+                      None if stacked is None else stacked.block_qkv[i])
         return self.norm(x)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from dflash.drafter.model import DFlashDrafter, DrafterCache
+from dflash.drafter.model import DFlashDrafter, DrafterCache, StackedProjections
 from dflash.drafter.vocab import DraftHead
 from dflash.target.frozen import FrozenTarget
 from dflash.target.graphs import GraphReplays
@@ -100,6 +100,7 @@ class DraftSession:
         # capacity (it is queued before the host knows decoding ends). Aligned mask rows let SDPA
         # take its fused kernels (as in the target's StaticTarget).
         self.cache = DrafterCache.allocate(drafter.config, 1, round_up(capacity + block, 16), device, dtype)
+        self.stacked = StackedProjections.of(drafter)  # fewer kernels a step; the drafter's weights as of now
         self.graphs = GraphReplays(device, graphed)
         # Where the steps replay as CUDA graphs they are compiled first: at batch 1 a step is bound
         # by its kernel count, and Inductor fuses each layer's norms, RoPE, mask and elementwise
@@ -124,7 +125,7 @@ class DraftSession:
     def extend(self, features: torch.Tensor, start: int) -> None:
         """Features [1, T, K*D] of positions start..start+T-1 (a prompt's) into the drafter's context."""
         positions = torch.arange(start, start + features.shape[1], device=features.device)[None]
-        self.drafter.extend_context(self.cache, features, positions)
+        self.drafter.extend_context(self.cache, features, positions, self.stacked)
 
     def start(self, token: torch.Tensor, anchor: int) -> torch.Tensor:
         """The block anchored at `anchor` on `token` [1] (a device tensor): `proposal` [1, B],
@@ -151,7 +152,7 @@ class DraftSession:
         # past the accepted ones stay out of the view of every later draft and are rewritten
         # before they come into it.
         block = self.drafter.block_size
-        self.drafter.extend_context(self.cache, self._features, self._verified_at + self._offsets)
+        self.drafter.extend_context(self.cache, self._features, self._verified_at + self._offsets, self.stacked)
         drafts, choices = self._outcome[: block - 1], self._outcome[block - 1:]
         accepted = (drafts == choices[:-1]).long().cumprod(0).sum()
         self._block_ids[0, :1] = choices.index_select(0, accepted[None])  # the bonus token
@@ -164,7 +165,8 @@ class DraftSession:
 
     def _guess(self) -> torch.Tensor:
         """The drafter's B-1 greedy guesses [B-1] for the block in `_block_ids` at `_anchor`."""
-        hidden = self.drafter.draft(self.cache, self.target.embed_tokens(self._block_ids), self._anchor + self._offsets)
+        hidden = self.drafter.draft(self.cache, self.target.embed_tokens(self._block_ids), self._anchor + self._offsets,
+                                    self.stacked)
         return self.head.to_target(self.head(hidden[0, 1:]).argmax(-1))
 
 

@@ -170,9 +170,15 @@ def test_a_windowed_block_ignores_features_before_its_window():
 
 
 @pytest.mark.parametrize("window", [0, 5])
-@pytest.mark.parametrize("chunks", [[20], [7, 13]])
-def test_training_forward_equals_cached_inference(arch, chunks, window):
+@pytest.mark.parametrize("chunks, stacked", [([20], False), ([7, 13], False), ([7, 13], True)],
+                         ids=["one-piece", "two-pieces", "two-pieces-stacked"])
+def test_training_forward_equals_cached_inference(arch, chunks, window, stacked):
+    """Decoding's cached forward (with the projections it stacks, as a decoder runs it, or not)
+    gives the training forward's logits."""
+    from dflash.drafter.model import StackedProjections
+
     target, step = make_step(arch, window=window)
+    stacked = StackedProjections.of(step.drafter) if stacked else None
     ids, loss_mask = sequence()
     features = target.features(ids).features
     logits = block_logits(step, ids, loss_mask, features)
@@ -181,14 +187,14 @@ def test_training_forward_equals_cached_inference(arch, chunks, window):
     start = 0
     for size in chunks:  # the context arrives in pieces during decoding
         positions = torch.arange(start, start + size)[None]
-        step.drafter.extend_context(cache, features[:, start:start + size], positions)
+        step.drafter.extend_context(cache, features[:, start:start + size], positions, stacked)
         start += size
     assert start == anchor
     # columns past the anchor hold a rejected draft's features: the block must not see them
-    step.drafter.extend_context(cache, features[:, :BLOCK] * 7 + 1, torch.arange(anchor, anchor + BLOCK)[None])
+    step.drafter.extend_context(cache, features[:, :BLOCK] * 7 + 1, torch.arange(anchor, anchor + BLOCK)[None], stacked)
     block_ids = torch.full((1, BLOCK), MASK_ID)
     block_ids[0, 0] = ids[0, anchor]
-    hidden = step.drafter.draft(cache, target.embed_tokens(block_ids), torch.arange(anchor, anchor + BLOCK)[None])
+    hidden = step.drafter.draft(cache, target.embed_tokens(block_ids), torch.arange(anchor, anchor + BLOCK)[None], stacked)
     torch.testing.assert_close(step.lm_head(hidden)[0], logits[n], rtol=1e-9, atol=1e-9)
 
 
