@@ -3,22 +3,28 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from dflash.drafter.model import DFlashDrafter, drafter_config
+from dflash.placement.distributed import LAUNCH_VARS
 from dflash.target.frozen import FrozenTarget, default_target_layer_ids
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 97
 MASK_ID = VOCAB - 1  # an id the random target rarely emits; the real rule is tested elsewhere
+K, T = TypeVar("K"), TypeVar("T")
 
 
 def tiny_causal_lm(arch: str = "qwen3", vocab_size: int = VOCAB, seed: int = 0) -> torch.nn.Module:
@@ -87,11 +93,26 @@ def trainer_command(args: list[str], nproc: int = 0) -> list[str]:
     return [*launcher, str(REPO / "train_drafter.py"), *args]
 
 
+def user_environment() -> dict[str, str]:
+    """This process's environment without the launch variables that a test running the entry
+    point in-process leaves behind: with them, every plain-python run would take the port they
+    name, and two at once would collide."""
+    return {name: value for name, value in os.environ.items() if name not in LAUNCH_VARS}
+
+
 def run_trainer(args: list[str], nproc: int = 0, timeout: int = 600, env: dict | None = None,
                 ) -> subprocess.CompletedProcess:
     """train_drafter.py as a user runs it: plain python, or torchrun with `nproc` processes."""
     return subprocess.run(trainer_command(args, nproc), cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env=env)
+                          env=user_environment() if env is None else env)
+
+
+def run_two_at_a_time(calls: dict[K, Callable[[], T]]) -> dict[K, T]:
+    """Each call's result, two calls running at once: a one-process run (or worker script) is mostly
+    its start-up on one core, or a wait, so on a 2-core machine two take about as long as one."""
+    with ThreadPoolExecutor(2) as pool:
+        futures = {key: pool.submit(call) for key, call in calls.items()}
+        return {key: future.result() for key, future in futures.items()}
 
 
 class BackgroundTrainer:
@@ -101,7 +122,8 @@ class BackgroundTrainer:
     def __init__(self, args: list[str], log: Path, nproc: int = 0):
         self.command, self.log = trainer_command(args, nproc), log
         with self.log.open("w") as err:
-            self.proc = subprocess.Popen(self.command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=err, text=True)
+            self.proc = subprocess.Popen(self.command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=err, text=True,
+                                         env=user_environment())
 
     def result(self, timeout: int = 600) -> subprocess.CompletedProcess:
         try:
@@ -116,8 +138,6 @@ def start_ranks(args: list[str], world: int, stderr=subprocess.DEVNULL) -> list[
     """Each rank of train_drafter.py as its own process (no launcher), so a test can kill or
     stop one of them and see what the others do on their own. `stderr` is rank 0's, or a list
     with each rank's."""
-    import os
-
     base = {**os.environ, "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(free_port())}
     # Ctrl-C as from a terminal: a suite started in the background (`cmd &`) ignores SIGINT, and

@@ -5,14 +5,17 @@ is refused before any weight loads."""
 
 from __future__ import annotations
 
+import functools
 import random
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 import transformers
 
 import dflash.eval.speculative as speculative
-from conftest import run_trainer, tiny_args, write_chat_jsonl
+from conftest import run_trainer, run_two_at_a_time, tiny_args, write_chat_jsonl
 from dflash.target.frozen import FrozenTarget, TargetError, default_target_layer_ids, load_target_config
 from dflash.target.static import FAST_FAMILIES, fast_decoding_supported
 from tiny_tokenizer import make_tiny_tokenizer
@@ -80,17 +83,29 @@ def test_speculative_decoding_equals_greedy(family, monkeypatch):
             speculative.greedy_decode(target, PROMPT, NEW_TOKENS, set(), kind="fast")
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_a_few_training_steps(family, tmp_path):
+@pytest.fixture(scope="module")
+def training_runs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """Family -> (its run of a few steps through train_drafter.py, its output dir); the runs go
+    two at a time."""
     tokenizer = make_tiny_tokenizer()
-    tiny_family_model(family, vocab_size=len(tokenizer) + 3).save_pretrained(tmp_path / "target")
-    tokenizer.save_pretrained(tmp_path / "target")
-    setup = {"target": tmp_path / "target", "train": write_chat_jsonl(tmp_path / "train.jsonl", 16, 0)}
-    args = tiny_args(setup, tmp_path / "run", "--target-layer-ids", "1", "2")
-    args[args.index("--max-steps") + 1] = "2"
-    proc = run_trainer(args)
+    runs = {}
+    for family in FAMILIES:
+        root = tmp_path_factory.mktemp(family)
+        tiny_family_model(family, vocab_size=len(tokenizer) + 3).save_pretrained(root / "target")
+        tokenizer.save_pretrained(root / "target")
+        setup = {"target": root / "target", "train": write_chat_jsonl(root / "train.jsonl", 16, 0)}
+        args = tiny_args(setup, root / "run", "--target-layer-ids", "1", "2")
+        args[args.index("--max-steps") + 1] = "2"
+        runs[family] = args, root / "run"
+    procs = run_two_at_a_time({family: functools.partial(run_trainer, args) for family, (args, _) in runs.items()})
+    return {family: (procs[family], out) for family, (_, out) in runs.items()}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_few_training_steps(family, training_runs):
+    proc, out = training_runs[family]
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (tmp_path / "run" / "drafter" / "model.safetensors").is_file()
+    assert (out / "drafter" / "model.safetensors").is_file()
 
 
 def test_a_family_that_cannot_work_is_refused_before_loading(tmp_path):

@@ -5,11 +5,14 @@ another mode than its data's or drafter's stops naming both and the flag."""
 
 from __future__ import annotations
 
+import functools
 import json
+import subprocess
+from pathlib import Path
 
 import pytest
 
-from conftest import run_trainer, tiny_args, tiny_causal_lm, write_chat_jsonl
+from conftest import run_trainer, run_two_at_a_time, tiny_args, tiny_causal_lm, write_chat_jsonl
 from dflash.data.regenerate import main as regenerate_main
 from dflash.eval.__main__ import main as eval_main
 from tiny_tokenizer import make_thinking_tokenizer
@@ -43,9 +46,19 @@ def test_regenerated_records_say_the_mode_their_prompts_were_rendered_in(thinkin
     assert {r["target_reply"]["thinking"] for r in regenerated(tiny_setup, tmp_path / "c.jsonl")} == {"none"}
 
 
-def test_a_run_records_its_mode_and_an_eval_in_another_mode_is_refused(thinking_setup, capsys):
-    out = thinking_setup["root"] / "run"
-    proc = run_trainer(tiny_args(thinking_setup, out))
+@pytest.fixture(scope="module")
+def thinking_runs(thinking_setup) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """--thinking -> (a training run on the thinking data, its output dir): the default ("auto")
+    takes the data's mode, "off" contradicts it. The two runs go at once."""
+    flags = {"auto": [], "off": ["--thinking", "off"]}
+    outs = {mode: thinking_setup["root"] / f"run-{mode}" for mode in flags}
+    procs = run_two_at_a_time({mode: functools.partial(run_trainer, tiny_args(thinking_setup, outs[mode], *extra))
+                               for mode, extra in flags.items()})
+    return {mode: (procs[mode], out) for mode, out in outs.items()}
+
+
+def test_a_run_records_its_mode_and_an_eval_in_another_mode_is_refused(thinking_setup, thinking_runs, capsys):
+    proc, out = thinking_runs["auto"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((out / "run_config.json").read_text())["thinking"] == "on"
     assert json.loads((out / "data" / "train" / "manifest.json").read_text())["thinking"] == "on"
@@ -59,8 +72,8 @@ def test_a_run_records_its_mode_and_an_eval_in_another_mode_is_refused(thinking_
             "renders prompts with thinking 'off'") in err and "pass --thinking on" in err
 
 
-def test_a_run_in_another_mode_than_its_data_stops_naming_both_and_the_flag(thinking_setup, tmp_path):
-    proc = run_trainer(tiny_args(thinking_setup, tmp_path / "run", "--thinking", "off"))
+def test_a_run_in_another_mode_than_its_data_stops_naming_both_and_the_flag(thinking_setup, thinking_runs):
+    proc, _ = thinking_runs["off"]
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert (f"{thinking_setup['train']}:1: target_reply records thinking 'on', but this run renders prompts with "
             "thinking 'off'") in proc.stderr and "pass --thinking on" in proc.stderr

@@ -3,11 +3,14 @@ a tiny target saved as an HF folder, export, and the closing speculative-decodin
 
 from __future__ import annotations
 
+import functools
 import json
+import subprocess
+from pathlib import Path
 
 import pytest
 
-from conftest import run_trainer, tiny_args
+from conftest import run_trainer, run_two_at_a_time, tiny_args
 from tiny_tokenizer import make_tiny_tokenizer
 
 
@@ -33,8 +36,9 @@ def test_train_export_and_evaluate(tiny_setup):
     assert list((out / "wandb").glob("offline-run-*")), "W&B offline run directory missing"
 
 
-def test_one_percent_bad_samples_train_on_the_rest_and_a_reused_output_dir_is_refused(tiny_setup, tmp_path):
+def test_one_percent_bad_samples_train_on_the_rest_and_a_reused_output_dir_is_refused(tiny_setup, tmp_path, capsys):
     from conftest import write_chat_jsonl
+    from dflash.training import __main__ as train_drafter
 
     data = write_chat_jsonl(tmp_path / "train.jsonl", 99, seed=5)
     with data.open("a") as f:
@@ -50,31 +54,46 @@ def test_one_percent_bad_samples_train_on_the_rest_and_a_reused_output_dir_is_re
     assert "skipped 1 bad samples of 100 ({'empty assistant turn': 1})" in proc.stderr
     assert f"{data}:100" in (out / "data" / "train" / "bad_samples.txt").read_text()
 
-    again = run_trainer(args)
-    assert again.returncode == 2 and "holds an earlier run" in again.stderr and "--overwrite" in again.stderr
+    assert train_drafter.main(args) == 2  # refused while parsing the flags: no process of its own needed
+    refused = capsys.readouterr().err
+    assert "holds an earlier run" in refused and "--overwrite" in refused
     (out / "metrics.jsonl").write_text('{"step": 99}\n')  # what the old run left must go
     fresh = run_trainer([*args, "--overwrite"])
     assert fresh.returncode == 0, fresh.stderr[-3000:]
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
 
 
-@pytest.mark.parametrize("lr, steps", [("1e9", "2"), ("1e30", "8")])
-def test_a_run_whose_update_blows_the_weights_up_stops_at_once_and_exports_nothing(tiny_setup, tmp_path, lr, steps):
+BLOW_UPS = [("1e9", "2"), ("1e30", "8")]  # --lr, --max-steps
+
+
+@pytest.fixture(scope="module")
+def blow_up_runs(tiny_setup, tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """--lr -> (its run of BLOW_UPS, its output dir); the two runs go at once."""
+    runs = {}
+    for lr, steps in BLOW_UPS:
+        out = tmp_path_factory.mktemp(f"lr{lr}")
+        args = tiny_args(tiny_setup, out, "--lr", lr, "--save-every", "1")
+        args[args.index("--max-steps") + 1] = steps
+        runs[lr] = args, out
+    procs = run_two_at_a_time({lr: functools.partial(run_trainer, args) for lr, (args, _) in runs.items()})
+    return {lr: (procs[lr], out) for lr, (_, out) in runs.items()}
+
+
+@pytest.mark.parametrize("lr, steps", BLOW_UPS)
+def test_a_run_whose_update_blows_the_weights_up_stops_at_once_and_exports_nothing(blow_up_runs, lr, steps):
     """--lr 1e9 for 2 steps: the first update takes the weights' norm from ~17 to ~1e11. The run
     stops there with the message a run of mostly skipped steps gives, instead of exiting 0 with
     those weights exported as its drafter; nor are they kept as a checkpoint to resume from."""
     from dflash.training.checkpoint import latest_checkpoint
 
-    args = tiny_args(tiny_setup, tmp_path, "--lr", lr, "--save-every", "1")
-    args[args.index("--max-steps") + 1] = steps
-    proc = run_trainer(args)
+    proc, out = blow_up_runs[lr]
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     for fragment in ("training stopped: the update of step 1 took the drafter's weights from norm ",
                      "trained 1 step, skipped 0 in all", f"the learning rate is too high (--lr {float(lr):g}): "
                      "start again with a lower --lr", "No drafter was exported", "No checkpoint was saved"):
         assert fragment in proc.stderr, proc.stderr[-3000:]
-    assert not (tmp_path / "drafter").exists() and latest_checkpoint(tmp_path) is None
+    assert not (out / "drafter").exists() and latest_checkpoint(out) is None
 
 
 def test_precision_bf16_trains_on_cpu(tiny_setup, tmp_path):

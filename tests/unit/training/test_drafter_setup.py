@@ -3,6 +3,7 @@ engine trains in (bf16 weights with fp32 master weights and fp32 Adam moments)."
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -12,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import REPO, free_port
+from conftest import REPO, free_port, run_two_at_a_time
 from dflash.training.drafter_setup import default_deepspeed_config, deepspeed_config, train_dtype
 
 ENGINE_PRECISION = """
@@ -66,9 +67,23 @@ def test_precision_bf16_on_cpu_enables_bf16_and_a_contradicting_config_is_refuse
         deepspeed_config(SimpleNamespace(train=train), torch.device("cpu"))
 
 
-def test_bf16_training_keeps_fp32_master_weights_and_moments():
-    proc = subprocess.run([sys.executable, "-c", ENGINE_PRECISION, str(free_port())], cwd=REPO, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu", "LOCAL_RANK": "0"})
+@pytest.fixture(scope="module")
+def engine_scripts() -> dict[str, subprocess.CompletedProcess]:
+    """ENGINE_PRECISION ("bf16") and MUON_ENGINE below ("muon"), each in a process of its own, the two at once."""
+    def run(script: str, **env: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", script, str(free_port())], cwd=REPO, capture_output=True,
+                              text=True, timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu", "LOCAL_RANK": "0",
+                                                           **env})
+
+    return run_two_at_a_time({
+        "bf16": functools.partial(run, ENGINE_PRECISION),
+        # Muon's compiled kernel: a minute to build on CPU
+        "muon": functools.partial(run, MUON_ENGINE, TORCH_COMPILE_DISABLE="1"),
+    })
+
+
+def test_bf16_training_keeps_fp32_master_weights_and_moments(engine_scripts):
+    proc = engine_scripts["bf16"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     dtypes = json.loads(proc.stdout.strip().splitlines()[-1])
     assert dtypes == {"weights": ["torch.bfloat16"], "master": ["torch.float32"], "moments": ["torch.float32"]}
@@ -98,10 +113,8 @@ torch.distributed.destroy_process_group()  # left to interpreter exit, gloo's th
 """
 
 
-def test_muon_takes_the_matrices_and_adamw_the_rest():
-    proc = subprocess.run([sys.executable, "-c", MUON_ENGINE, str(free_port())], cwd=REPO, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu", "LOCAL_RANK": "0",
-                               "TORCH_COMPILE_DISABLE": "1"})  # Muon's compiled kernel: a minute to build on CPU
+def test_muon_takes_the_matrices_and_adamw_the_rest(engine_scripts):
+    proc = engine_scripts["muon"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     by_kind = {use_muon: (lr, numel) for use_muon, lr, numel in report["groups"]}  # ZeRO holds flat partitions

@@ -3,9 +3,15 @@ recent accepted losses, which follows a falling loss and ignores what was skippe
 
 from __future__ import annotations
 
+import functools
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
+from conftest import REPO, free_port, run_two_at_a_time
 from dflash.training.spike import SpikeGuard
 
 
@@ -50,21 +56,25 @@ def test_ranks_without_samples_vote_without_moving_the_reference():
     assert guard.reference == 4.0 and guard.accepted == 1
 
 
-def test_a_non_finite_gradient_behind_a_finite_loss_is_skipped_by_the_engine():
+@pytest.fixture(scope="module")
+def engine_workers() -> dict[str, subprocess.CompletedProcess]:
+    """Worker script -> its run in a real one-rank engine; the two go at once."""
+    def run(worker: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}", "DS_ACCELERATOR": "cpu"}
+        return subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(free_port()),
+             str(REPO / "tests" / worker)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+    workers = ("nonfinite_grad_worker.py", "grad_accum_worker.py")
+    return run_two_at_a_time({worker: functools.partial(run, worker) for worker in workers})
+
+
+def test_a_non_finite_gradient_behind_a_finite_loss_is_skipped_by_the_engine(engine_workers):
     """The loss guard cannot see it; DeepSpeed's ZeRO 1/2 step checks the gradient norm and skips
     the update. Pinned here because the training loop relies on it (and counts skipped_steps)."""
     import json
-    import os
-    import subprocess
-    import sys
 
-    from conftest import REPO, free_port
-
-    env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}", "DS_ACCELERATOR": "cpu"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(free_port()),
-         str(REPO / "tests" / "nonfinite_grad_worker.py")], cwd=REPO, env=env, capture_output=True, text=True,
-        timeout=300)
+    proc = engine_workers["nonfinite_grad_worker.py"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     for stage in ("1", "2"):
@@ -184,23 +194,14 @@ def test_the_kept_gradient_scale_leaves_skipped_micro_batches_out_of_the_mean():
     assert kept_gradient_scale(per_micro, [True] * 3, LossTerms("ce"), 0.0) is None, "nothing kept"
 
 
-def test_a_step_with_skipped_micro_batches_takes_the_gradient_of_the_kept_ones_only():
+def test_a_step_with_skipped_micro_batches_takes_the_gradient_of_the_kept_ones_only(engine_workers):
     """Three micro-batches accumulated in a real engine (ZeRO 1 and 2), one or none skipped: the
     gradient the optimizer is handed, and the engine's gradient norm, are those of the mean over
     the kept micro-batches (plain autograd, float32). Where no factor gives that mean (nothing kept,
     or a loss over both normalisers changed unequally), the engine skips the step."""
     import json
-    import os
-    import subprocess
-    import sys
 
-    from conftest import REPO, free_port
-
-    env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}", "DS_ACCELERATOR": "cpu"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(free_port()),
-         str(REPO / "tests" / "grad_accum_worker.py")], cwd=REPO, env=env, capture_output=True, text=True,
-        timeout=600)
+    proc = engine_workers["grad_accum_worker.py"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(records) == 6

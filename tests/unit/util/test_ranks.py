@@ -3,6 +3,7 @@ waits are bounded: rank 0 names a peer that died at once, and one that stalled a
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import REPO, free_port
+from conftest import REPO, free_port, run_two_at_a_time
 from dflash.util.cli import ConfigError
 from dflash.util.ranks import Launch, launched, pin_local_gpu
 
@@ -67,9 +68,12 @@ def test_rank_0_gets_every_report_and_the_peers_rank_0s_value():
 
 
 def test_a_dead_peer_is_named_at_once_and_a_stalled_one_after_the_timeout():
-    out, seconds = run_ranks("die", 3, 300)
+    # the two groups go at once: each spends most of its time starting up, or waiting out the timeout
+    runs = run_two_at_a_time({"die": functools.partial(run_ranks, "die", 3, 300),
+                              "stall": functools.partial(run_ranks, "stall", 2, 4)})
+    out, seconds = runs["die"]
     assert "PeerError naming rank 1: rank 0: rank 1 stopped before 'finishing'" in out[0], out
     assert "Traceback" not in out[0] and seconds < 100, seconds  # not the 300 s timeout
-    out, seconds = run_ranks("stall", 2, 4)
+    out, seconds = runs["stall"]
     assert ("PeerError naming rank 1: rank 0: rank 1 did not reach 'finishing' within 4 s (--peer-timeout-s): "
             "it is stalled") in out[0], out
