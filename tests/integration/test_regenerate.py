@@ -24,6 +24,9 @@ from dflash.data.tokenization import load_tokenizer, prompt_ids, prompt_messages
 from dflash.demo import DEMO_HELDOUT_DATA, DEMO_TARGET_DIR
 
 NEW_TOKENS = 24
+# The static-cache engine's rows hold 512 cache columns each: 1500 batch tokens would give it 2 rows,
+# where HF's batches of 1500 tokens hold 10 to 17 of these prompts; 12 rows bring it level
+FAST_ROWS = ("--engine", "fast", "--batch-tokens", str(12 * 512))
 
 
 def run(tmp_path, *extra: str) -> list[dict]:
@@ -37,7 +40,7 @@ def run(tmp_path, *extra: str) -> list[dict]:
 
 @pytest.mark.parametrize("engine", ["fast", "hf"])
 def test_regenerated_replies_are_the_targets_greedy_replies(tmp_path, capfd, engine):
-    records = run(tmp_path, "--engine", engine)
+    records = run(tmp_path, *(FAST_ROWS if engine == "fast" else ("--engine", engine)))
     log = capfd.readouterr().err
     source = load_chat_jsonl(DEMO_HELDOUT_DATA)
     assert len(records) == len(source) == 64
@@ -75,7 +78,7 @@ def test_the_fast_engine_samples_with_the_targets_settings(tmp_path, capfd):
     repeats them, another seed changes them."""
     def replies(folder, *extra):
         folder.mkdir()
-        return [r["messages"][-1]["content"] for r in run(folder, "--engine", "fast", "--limit", "12", *extra)]
+        return [r["messages"][-1]["content"] for r in run(folder, *FAST_ROWS, "--limit", "12", *extra)]
 
     greedy = replies(tmp_path / "greedy")
     sampled = replies(tmp_path / "a", "--sampling", "target", "--seed", "1")
