@@ -40,12 +40,14 @@ def kill_after_first_checkpoint(procs: list[subprocess.Popen], victim: int, out:
         p.wait()
 
 
-@pytest.mark.parametrize("world, placement, victim", [
-    (1, ["--target-ranks", "colocated", "--max-draft-positions", "64"], 0),  # the resume omits the budget
-    (2, ["--target-ranks", "1"], 0),  # the only drafter rank
-    (3, ["--target-ranks", "1", "--deepspeed-config", "ds_configs/zero2.json"], 1),  # one of two drafters
+@pytest.mark.parametrize("world, placement, victim, expect", [
+    (1, ["--target-ranks", "colocated", "--max-draft-positions", "64"], 0,  # the resume omits the budget
+     "colocated: target and drafter on all 1 ranks"),
+    (2, ["--target-ranks", "1"], 0, "split: target on ranks [1], drafter on ranks [0]"),  # the only drafter rank
+    (3, ["--target-ranks", "1", "--deepspeed-config", "ds_configs/zero2.json"], 1,  # one of two drafters
+     "split: target on ranks [2], drafter on ranks [0, 1]"),
 ], ids=["colocated-x1", "split-1+1", "split-1+2-zero2"])
-def test_sigkill_and_resume_reproduces_the_uninterrupted_run(tiny_setup, tmp_path, world, placement, victim):
+def test_sigkill_and_resume_reproduces_the_uninterrupted_run(tiny_setup, tmp_path, world, placement, victim, expect):
     def args(out: Path) -> list[str]:
         a = tiny_args(tiny_setup, out, *placement, "--feature-noise-std", "0.1", "--save-every", "3")
         a[a.index("--max-steps") + 1] = str(STEPS)
@@ -64,6 +66,8 @@ def test_sigkill_and_resume_reproduces_the_uninterrupted_run(tiny_setup, tmp_pat
     finally:
         proc = uninterrupted.result()
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # the uninterrupted run is also the placement's plain training run: placed as asked, exported
+    assert expect in proc.stderr and (straight / "drafter" / "model.safetensors").is_file()
     assert not (resumed / "drafter").exists(), "the run finished before it was killed"
     start = int(latest_checkpoint(resumed).name.removeprefix("step_"))
     (resumed / "checkpoints" / f"step_{STEPS + 3}").mkdir()  # a save cut off by a crash: no trainer_state.json
@@ -75,7 +79,7 @@ def test_sigkill_and_resume_reproduces_the_uninterrupted_run(tiny_setup, tmp_pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"step_{start} at step {start}" in proc.stderr
     expected, got = losses_by_step(straight), losses_by_step(resumed)
-    assert sorted(got) == sorted(expected) == list(range(1, STEPS + 1))
+    assert sorted(got) == sorted(expected) == list(range(1, STEPS + 1)) and all(loss > 0 for loss in expected.values())
     for step in range(start + 1, STEPS + 1):
         assert got[step] == expected[step], (step, got[step], expected[step])
     assert (resumed / "checkpoints" / f"step_{STEPS}" / STATE_FILE).is_file()
@@ -153,30 +157,40 @@ def test_resume_on_another_number_of_drafter_ranks(tmp_path, before, after):
         assert torch.equal(full.to(weight.dtype).reshape(weight.shape), weight), name
 
 
-def test_a_resume_with_another_recipe_is_refused_before_training(tiny_setup, tmp_path):
+@pytest.fixture(scope="module")
+def saved_every_2_steps(tiny_setup, tmp_path_factory) -> Path:
+    """The output dir of a finished tiny run that saved every 2 steps; tests that change it work
+    on a copy."""
+    out = tmp_path_factory.mktemp("saved") / "run"
+    proc = run_trainer(tiny_args(tiny_setup, out, "--save-every", "2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def test_a_resume_with_another_recipe_is_refused_before_training(tiny_setup, saved_every_2_steps):
     """A changed loss, learning rate or length on --resume would train another objective, or be
     overruled by the checkpoint's scheduler state, without a word: each is named, nothing trains."""
-    out = tmp_path / "run"
-    proc = run_trainer(tiny_args(tiny_setup, out, "--loss", "ce", "--save-every", "2"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = saved_every_2_steps
     newest = latest_checkpoint(out)
     metrics = (out / "metrics.jsonl").read_text()
-    proc = run_trainer([*tiny_args(tiny_setup, out, "--lr", "1e-3", "--max-steps", "20"), "--resume"])
+    proc = run_trainer([*tiny_args(tiny_setup, out, "--loss", "ce", "--lr", "1e-3", "--max-steps", "20"), "--resume"])
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert (f"--resume from {newest}: --loss 'dpace' (the checkpoint: 'ce'); --lr 0.001 (the checkpoint: 0.0006); "
+    assert (f"--resume from {newest}: --loss 'ce' (the checkpoint: 'dpace'); --lr 0.001 (the checkpoint: 0.0006); "
             "--max-steps 20 (the checkpoint: 8)") in proc.stderr
     assert "--overwrite instead of --resume" in proc.stderr
     assert (out / "metrics.jsonl").read_text() == metrics and latest_checkpoint(out) == newest
 
 
-def test_resume_skips_damaged_checkpoints_names_them_and_logs_each_step_once(tiny_setup, tmp_path):
+def test_resume_skips_damaged_checkpoints_names_them_and_logs_each_step_once(tiny_setup, saved_every_2_steps,
+                                                                             tmp_path):
     """A checkpoint cut short after it was committed (a full disk, an interrupted copy) is skipped
     with its reason; the run goes on exactly from the newest intact one, and its closing line
     counts the steps this run trained."""
+    import shutil
+
     out = tmp_path / "run"
+    shutil.copytree(saved_every_2_steps, out)
     args = tiny_args(tiny_setup, out, "--save-every", "2")
-    proc = run_trainer(args)
-    assert proc.returncode == 0, proc.stderr[-3000:]
     straight = losses_by_step(out)
     checkpoints = out / "checkpoints"
     assert sorted(p.name for p in checkpoints.glob("step_*")) == ["step_4", "step_6", "step_8"]
