@@ -132,6 +132,21 @@ def test_the_converted_gguf_gives_the_original_logits_features_embedding_and_tok
     assert (Path(folder) / "model.safetensors").stat().st_mode & 0o044 == 0o044  # readable by other users
 
 
+def test_a_conversion_parses_the_gguf_once(tmp_path, monkeypatch):
+    """transformers reads the file for the config, the tokenizer and the tensors: one reader
+    serves them all (each parses every metadata field), and gguf's own is back afterwards."""
+    opened, reader = [], gguf.GGUFReader
+
+    def counting(path, *args, **kwargs):
+        opened.append(path)
+        return reader(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counting)
+    _, path = tiny_gguf(tmp_path)
+    resolve_target(path, tmp_path / "cache")
+    assert len(opened) == 1 and gguf.GGUFReader is counting
+
+
 def test_the_conversion_is_reused_until_the_gguf_changes(tmp_path, conversions):
     _, path = tiny_gguf(tmp_path)
     weights = Path(resolve_target(path)) / "model.safetensors"
