@@ -78,11 +78,11 @@ def _target_configs(target: str):
     """(config, generation config or None) of an HF folder or a GGUF file, read without weights."""
     from transformers import AutoConfig, GenerationConfig
 
-    name, kwargs = from_pretrained_args(target)
-    if not kwargs:
+    if gguf_file(target) is None:
         generation_file = Path(target) / "generation_config.json"
         generation = GenerationConfig.from_pretrained(target) if generation_file.is_file() else None
         return load_target_config(target), generation
+    name, kwargs = from_pretrained_args(target)  # the GGUF's conversion, or its metadata
     try:
         config = AutoConfig.from_pretrained(name, **kwargs)
     except Exception as err:  # the gguf reader and transformers raise many kinds for a bad file
@@ -118,7 +118,7 @@ def _own_tokenizer(target: str):
     from transformers import AutoTokenizer
 
     name, kwargs = from_pretrained_args(target)
-    if not kwargs and not any((Path(target) / f).exists() for f in TOKENIZER_FILES):
+    if not kwargs and not any((Path(name) / f).exists() for f in TOKENIZER_FILES):
         return None
     try:
         return AutoTokenizer.from_pretrained(name, **kwargs)

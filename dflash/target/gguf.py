@@ -59,11 +59,16 @@ def is_model_path(path: str | Path) -> bool:
 
 
 def from_pretrained_args(path: str | Path) -> tuple[str, dict]:
-    """(name_or_path, kwargs) for a transformers `from_pretrained` of `path`: a GGUF is read through
-    `gguf_file=` (its tokenizer and config are metadata, read without de-quantizing anything)."""
+    """(name_or_path, kwargs) for a transformers `from_pretrained` of a tokenizer or config at
+    `path`: a GGUF's complete conversion when there is one (the same files: Qwen2.5-Coder-0.5B's
+    tokenizer loads in 0.5 s from it, 10 s from the file on a 2-core VM), else the GGUF through
+    `gguf_file=` (metadata, read without de-quantizing anything)."""
     source = gguf_file(path)
     if source is None:
         return str(path), {}
+    converted = default_cache_dir(source)
+    if _is_conversion_of(converted, source):
+        return str(converted), {}
     require_gguf_package(source)
     return str(source.parent), {"gguf_file": source.name}
 
@@ -180,7 +185,7 @@ def _one_reader_per_file() -> Iterator[None]:
     """Inside, gguf.GGUFReader gives one reader per file: transformers reads a GGUF for the config
     (twice), the tokenizer and the tensors, and each new reader parses every metadata field again
     (Qwen2.5's 151,936 token strings, one numpy view at a time): sharing one took the 0.5B's
-    conversion from 54.5 to 32.8 s on a 2-core VM. A reader only reads its memory-mapped file."""
+    conversion from 54.5 to 32.0 s on a 2-core VM. A reader only reads its memory-mapped file."""
     import gguf
 
     original, readers = gguf.GGUFReader, {}

@@ -147,6 +147,18 @@ def test_a_conversion_parses_the_gguf_once(tmp_path, monkeypatch):
     assert len(opened) == 1 and gguf.GGUFReader is counting
 
 
+def test_a_ggufs_tokenizer_is_read_once_from_the_file_then_from_its_conversion(tmp_path, monkeypatch):
+    opened, reader = [], gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda path, *args, **kwargs: opened.append(path) or reader(path, *args,
+                                                                                                         **kwargs))
+    _, path = tiny_gguf(tmp_path)
+    expected = prompt_ids(load_tokenizer(path), MESSAGES)
+    assert len(opened) == 1
+    resolve_target(path)  # the conversion beside the file
+    opened.clear()
+    assert prompt_ids(load_tokenizer(path), MESSAGES) == expected and opened == []
+
+
 def test_the_conversion_is_reused_until_the_gguf_changes(tmp_path, conversions):
     _, path = tiny_gguf(tmp_path)
     weights = Path(resolve_target(path)) / "model.safetensors"
@@ -284,12 +296,15 @@ def test_the_mask_is_the_first_placeholder_row_of_a_gguf_tokenizer(tmp_path, pla
         assert resolve_mask_token_id(tokenizer, config, None) == first
 
 
-def test_a_gguf_targets_tokenizer_is_the_one_a_tokenizer_flag_is_checked_against(tmp_path):
+@pytest.mark.parametrize("converted", [False, True], ids=["from-the-file", "from-its-conversion"])
+def test_a_gguf_targets_tokenizer_is_the_one_a_tokenizer_flag_is_checked_against(tmp_path, converted):
     from dflash.data.tokenizer_match import check_tokenizer_matches_target
     from dflash.util.cli import ConfigError
     from tiny_tokenizer import _MERGED_WORDS
 
     _, path = tiny_gguf(tmp_path)
+    if converted:
+        resolve_target(path)
     check_tokenizer_matches_target(load_tokenizer(path), str(path), str(path))  # the file's own
     check_tokenizer_matches_target(make_tiny_tokenizer(), str(path), "tokenizer-folder")  # the same vocabulary
     with pytest.raises(ConfigError, match="vocabulary: 65 of the first 325 ids name other tokens than in the "
