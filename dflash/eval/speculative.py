@@ -216,14 +216,14 @@ class Decoder:
             if drafter is not None else None
         self.acceptance = HostCopy(target.device)
 
-    def _ready(self, prompt: list[int], room: int) -> None:
-        """Check that the prompt and `room` more fit, and capture the prompt's prefill graph: a
-        one-off cost, kept off the clock of the decoding that follows."""
+    def _ready(self, prompt: list[int], room: int, tokens: int) -> None:
+        """Check that the prompt and `room` more fit, and capture the graphs its decoding will
+        replay (its prefill, steps of `tokens` tokens): one-off costs, kept off the clock."""
         if len(prompt) + room > self.capacity:
             raise ValueError(f"a prompt of {len(prompt)} tokens + {room} more exceeds the decoder's "
                              f"{self.capacity} positions")
         if isinstance(self.session, StaticTarget):
-            self.session.prepare_prefill(len(prompt))
+            self.session.prepare(len(prompt), tokens, len(prompt) + room)
 
     def _prefill(self, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         return self.session.prefill(torch.tensor([prompt], device=self.target.device))
@@ -233,7 +233,7 @@ class Decoder:
         """The target's greedy reply, its tokens kept on the device and read back every
         EOS_CHECK_EVERY steps (only where `eos_ids` can end it early)."""
         device = self.target.device
-        self._ready(prompt, max_new_tokens)
+        self._ready(prompt, max_new_tokens, 1)
         synchronize(device)
         start = time.perf_counter()
         choice, _ = self._prefill(prompt)
@@ -257,7 +257,7 @@ class Decoder:
     @torch.no_grad()
     def speculative(self, prompt: list[int], max_new_tokens: int, eos_ids: set[int]) -> DecodeResult:
         device, block, draft = self.target.device, self.drafter.block_size, self.draft
-        self._ready(prompt, max_new_tokens + block)
+        self._ready(prompt, max_new_tokens + block, block)
         synchronize(device)
         start = time.perf_counter()
         choice, features = self._prefill(prompt)

@@ -30,6 +30,9 @@ class GraphReplays:
         self._pool = None
         self._side = None
 
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._captured
+
     def __call__(self, key: Hashable, step: Callable[[], object]):
         if not self.enabled:
             return step()

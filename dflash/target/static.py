@@ -152,11 +152,18 @@ class StaticTarget:
             tokens, self._shared_columns(shape), None, last=last, features=True))
         return choice, features[:, :length]
 
-    def prepare_prefill(self, length: int) -> None:
-        """Capture the graph that a prompt of `length` tokens replays, so that timing its prefill
-        times the replay alone. It runs a prefill: the cache holds nothing to keep until the next."""
-        if self.prefill_step and self.graphs.enabled and (self.batch, self._padded(length)) not in self._prompts:
-            self.prefill(torch.zeros((self.batch, length), dtype=torch.long, device=self.target.device))
+    def prepare(self, prompt: int, tokens: int, end: int) -> None:
+        """Capture (and compile) the graphs that a prompt of `prompt` tokens replays, then steps of
+        `tokens` new tokens up to column `end`: a decoding timed after this times replays alone.
+        It runs those forwards on zeros: the cache holds nothing to keep until the next prefill."""
+        if not self.graphs.enabled:
+            return
+        zeros = torch.zeros((self.batch, max(prompt, tokens)), dtype=torch.long, device=self.target.device)
+        for span in sorted({self._span(column) for column in [*range(prompt + tokens, end, SPAN_STEP), end]}):
+            if (tokens, span) not in self.graphs:
+                self.step(zeros[:, :tokens], span - tokens)
+        if self.prefill_step and (self.batch, self._padded(prompt)) not in self._prompts:
+            self.prefill(zeros[:, :prompt])
 
     def _padded(self, length: int) -> int:
         return min(round_up(length, self.prefill_step), self.capacity)

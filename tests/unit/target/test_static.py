@@ -122,9 +122,10 @@ def test_chunked_prefill_gives_the_one_shot_prefills_cache_and_tokens(arch):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_a_padded_prefill_decodes_what_the_prompt_alone_does(arch, device):
-    """Prompts padded to a multiple of 16 (a CUDA graph per padded length on a GPU): the choice,
-    the prompt's features and every later step's match a prefill of the prompt alone (float64),
-    while the padding's columns were written and stale tokens from a longer prompt fill them."""
+    """Prompts padded to a multiple of 16 (a CUDA graph per padded length on a GPU, captured with
+    the steps' beforehand on zeros): the choice, the prompt's features and every later step's match
+    a prefill of the prompt alone (float64), while the padding's columns were written and stale
+    tokens from a longer prompt fill them."""
     target = tiny_target(arch)
     target.model.to(device)
     padded = StaticTarget(target, batch=1, capacity=64, prefill_step=16)
@@ -132,7 +133,8 @@ def test_a_padded_prefill_decodes_what_the_prompt_alone_does(arch, device):
     for prompt in ([5, 17, 3, 44, 9, 60, 2, 71, 30, 8, 1, 90, 12, 13, 6, 2, 4, 40, 41], [60, 2, 2, 71, 30, 8, 1]):
         alone = StaticTarget(target, batch=1, capacity=64, cuda_graphs=False, prefill_step=0)
         ids = torch.tensor([prompt], device=device)
-        padded.prepare_prefill(len(prompt))
+        padded.prepare(len(prompt), 3, len(prompt) + 12)
+        assert padded.graphs.enabled == ((3, 64) in padded.graphs), "the steps' graph captured beforehand"
         (choice, features), (want, want_features) = padded.prefill(ids), alone.prefill(ids)
         assert choice.tolist() == want.tolist()
         torch.testing.assert_close(features, want_features, rtol=1e-10, atol=1e-10)
