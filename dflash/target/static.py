@@ -181,7 +181,7 @@ class StaticTarget:
         buffer = self._inputs[ids.shape[1]]
         buffer.copy_(ids)
         return self.graphs((ids.shape[1], span), lambda: self._forward(
-            buffer, self._shared_columns(buffer.shape), span, features=True, compiled=self.compiled))
+            buffer, self._shared_columns(buffer.shape), span, features=True, compiled=self.compiled, shared=True))
 
     def extend_rows(self, ids: torch.Tensor, rows: torch.Tensor, start: int, last: torch.Tensor) -> torch.Tensor:
         """Tokens [k, T] at columns start.. of the cache rows `rows` [k], eagerly (a prompt, or a
@@ -236,11 +236,13 @@ class StaticTarget:
         return [masks[window] for window in self.windows]
 
     def _forward(self, ids: torch.Tensor, columns: torch.Tensor, span: int | None, rows: torch.Tensor | None = None,
-                 last: torch.Tensor | None = None, features: bool = False, compiled: bool = False):
+                 last: torch.Tensor | None = None, features: bool = False, compiled: bool = False,
+                 shared: bool = False):
         """Tokens ids [b, T] at cache columns [b, T] of the cache rows `rows` (None: all, in
         order), attending over cache columns :span (None: only over themselves) -> (choice after
         each position, or after position `last` [b] of each row; features [b, T, K*D] or None).
-        `compiled`: the layers run compiled_layer_parts (the graphed steps)."""
+        `compiled`: the layers run compiled_layer_parts (the graphed steps); `shared`: every row's
+        columns are the same, so the compiled projection writes the cache itself."""
         target = self.target
         x = target.embed_tokens(ids)
         cos, sin = target.decoder.rotary_emb(x, columns)  # a row's column is its position
@@ -248,12 +250,18 @@ class StaticTarget:
         cos, sin = cos[:, None], torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)[:, None]
         keys = columns if span is None else self.columns[None, :span]
         masks = self._masks(columns, keys, x.dtype, target.model.config.num_attention_heads // self.keys.shape[2])
-        project, finish = compiled_layer_parts() if compiled else (project_qkv, finish_layer)
+        project, project_write, finish = compiled_layer_parts() if compiled else (project_qkv, None, finish_layer)
+        write_inside = compiled and shared and rows is None and span is not None
         hkv = self.keys.shape[2]
         captured = {}
         for index, layer in enumerate(target.layers):
-            q, k, v = project(layer, self.qkv[index], x, cos, sin, hkv)
-            keys, values = self._cached(index, k, v, columns, span, rows)
+            if write_inside:
+                cache_keys, cache_values = self.keys[index], self.values[index]
+                q = project_write(layer, self.qkv[index], x, cos, sin, hkv, cache_keys, cache_values, columns[0])
+                keys, values = cache_keys[:, :, :span], cache_values[:, :, :span]
+            else:
+                q, k, v = project(layer, self.qkv[index], x, cos, sin, hkv)
+                keys, values = self._cached(index, k, v, columns, span, rows)
             x = finish(layer, self.gate_up[index], x, q, keys, values, masks[index], hkv)
             if features and index in self.feature_layers:
                 captured[index] = x
@@ -300,6 +308,18 @@ def project_qkv(layer, qkv: tuple, x: torch.Tensor, cos: torch.Tensor, sin: torc
     return qk[:, :heads], qk[:, heads:], projected[:, :, heads + hkv:].transpose(1, 2)
 
 
+def project_and_write(layer, qkv: tuple, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hkv: int,
+                      cache_keys: torch.Tensor, cache_values: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """project_qkv, and its k and v written at cache columns `columns` [T] of every row of one
+    layer's caches [b, Hkv, capacity, d] -> q. Compiled, the writes land in the projection's own
+    kernel, in place: Inductor runs index_copy_ on the cache itself (a scatter_ it would run on a
+    copy of the whole cache, then copy back)."""
+    q, k, v = project_qkv(layer, qkv, x, cos, sin, hkv)
+    cache_keys.index_copy_(2, columns, k)
+    cache_values.index_copy_(2, columns, v)
+    return q
+
+
 def finish_layer(layer, gate_up: tuple, x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  mask: torch.Tensor, hkv: int) -> torch.Tensor:
     """The rest of the decoder layer: attention of q over keys/values, its output projection and
@@ -318,13 +338,14 @@ _compiled_parts = None
 
 
 def compiled_layer_parts():
-    """project_qkv and finish_layer compiled, once per process, for the steps replayed as CUDA
-    graphs: compiled, a layer's elementwise work (norms, RoPE, residuals, the MLP's gate) fuses
-    into few kernels, and a graphed step is bound by its kernel count. The cache write stays
-    outside: a compiled region that mutates a view of the cache may copy the whole buffer back.
-    One compilation serves every layer (their modules' weights are its inputs). Batch-1 decoding
-    uses them; regeneration does not, since its batches change shape and each shape compiles again."""
+    """project_qkv, project_and_write and finish_layer compiled, once per process, for the steps
+    replayed as CUDA graphs: compiled, a layer's elementwise work (norms, RoPE, the cache write,
+    residuals, the MLP's gate) fuses into few kernels, and a graphed step is bound by its kernel
+    count. The cache write joins the projection where every row writes the same columns (batch-1
+    decoding); rows at their own columns write it eagerly. One compilation serves every layer
+    (their modules' weights and caches are its inputs). Batch-1 decoding uses them; regeneration
+    does not, since its batches change shape and each shape compiles again."""
     global _compiled_parts
     if _compiled_parts is None:
-        _compiled_parts = (torch.compile(project_qkv), torch.compile(finish_layer))
+        _compiled_parts = (torch.compile(project_qkv), torch.compile(project_and_write), torch.compile(finish_layer))
     return _compiled_parts

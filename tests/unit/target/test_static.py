@@ -120,6 +120,33 @@ def test_chunked_prefill_gives_the_one_shot_prefills_cache_and_tokens(arch):
     assert one_shot.extend_rows(ids, rows, 0, last).tolist() == choice.tolist()
 
 
+def test_the_cache_write_inside_the_projection_leaves_what_the_separate_write_does(arch, monkeypatch):
+    """Graphed batch-1 steps write k and v inside the (compiled) projection, with index_copy_ at the
+    columns every row shares; here the parts run eagerly (float64): the choices, features and whole
+    caches must be those of the separate scatter after each of a few steps."""
+    import dflash.target.static as static
+
+    monkeypatch.setattr(static, "_compiled_parts", (static.project_qkv, static.project_and_write, static.finish_layer))
+    target = tiny_target(arch)
+    separate, inside = (StaticTarget(target, batch=2, capacity=64, cuda_graphs=False) for _ in range(2))
+    ids = torch.tensor([[5, 17, 3, 44, 9, 60, 2, 71], [8, 1, 90, 12, 13, 6, 2, 4]])
+    for cache in (separate, inside):
+        cache.prefill(ids)
+    for start in (8, 11, 14):
+        block = torch.tensor([[7, 11, 13], [3, 3, 50]])
+        outputs = []
+        for cache, shared in ((separate, False), (inside, True)):
+            cache._at(start, block)
+            outputs.append(cache._forward(block, cache._shared_columns(block.shape), 64, features=True,
+                                          compiled=True, shared=shared))
+        (choice, features), (want, want_features) = outputs[1], outputs[0]
+        assert choice.tolist() == want.tolist()
+        torch.testing.assert_close(features, want_features, rtol=1e-12, atol=1e-12)
+        for got, reference in ((inside.keys, separate.keys), (inside.values, separate.values)):
+            torch.testing.assert_close(got, reference, rtol=1e-12, atol=1e-12)
+    assert inside.keys[:, :, :, 17:].abs().sum() == 0, "nothing written past the steps' columns"
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_a_padded_prefill_decodes_what_the_prompt_alone_does(arch, device):
     """Prompts padded to a multiple of 16 (a CUDA graph per padded length on a GPU, captured with
