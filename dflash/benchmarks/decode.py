@@ -57,6 +57,8 @@ class DecodeBenchmarkArgs:
     block_size: int = 16
     draft_layers: int = field(default=RECIPE["num_draft_layers"], metadata={
         "help": "the untrained drafter's depth (its cost is the point)"})
+    draft_vocab: int = field(default=0, metadata={
+        "help": "the untrained drafter's draft vocabulary (rows of its lm_head; 0: the target's): --preset small's is 32768"})
     compile_drafter: bool = field(default=True, metadata={
         "help": "compile the drafter's steps on the fast path (as decoding does); False times them eager"})
     compile_target: bool = field(default=True, metadata={
@@ -189,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                      "plain path's tokens and speed are what the fast path is compared with")
     if args.draft_layers < 1:
         parser.error(f"--draft-layers {args.draft_layers}: use 1 or more (the drafter whose cycle is timed)")
+    if args.draft_vocab < 0:
+        parser.error(f"--draft-vocab {args.draft_vocab}: use 0 (the target's vocabulary) or a row count")
     setup_logging(0)
     device = pick_device(args.device, 0)
     try:
@@ -197,12 +201,13 @@ def main(argv: list[str] | None = None) -> int:
     except INPUT_ERRORS as err:
         return user_error(err)
     torch.manual_seed(0)
-    drafter = DFlashDrafter(drafter_config(config, args.draft_layers, target.layer_ids, args.block_size, 0)).to(
+    drafter = DFlashDrafter(drafter_config(config, args.draft_layers, target.layer_ids, args.block_size, 0,
+                                           draft_vocab=min(args.draft_vocab, config.vocab_size))).to(
         device, getattr(torch, args.dtype))
     capacity = max(map(len, prompts)) + args.max_new_tokens + args.block_size
     report = {"target": args.target, "dtype": args.dtype, "device": torch.cuda.get_device_name(device)
               if device.type == "cuda" else "cpu", "max_new_tokens": args.max_new_tokens,
-              "draft_layers": args.draft_layers, "compile_drafter": args.compile_drafter,
+              "draft_layers": args.draft_layers, "draft_vocab": args.draft_vocab, "compile_drafter": args.compile_drafter,
               "compile_target": args.compile_target}
     tokens = {}
     for kind, count in (("plain", args.plain_prompts), ("fast", args.num_prompts)):

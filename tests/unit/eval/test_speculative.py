@@ -280,8 +280,9 @@ def test_the_decode_benchmark_divides_every_ratio_by_the_greedy_loops_step(tiny_
     out = tmp_path / "decode.json"
     assert main(["--target", str(tiny_setup["target"]), "--prompts", str(tiny_setup["heldout"]), "--device", "cpu",
                  "--dtype", "float32", "--num-prompts", "2", "--plain-prompts", "1", "--max-new-tokens", "8",
-                 "--block-size", "4", "--draft-layers", "1", "--output", str(out)]) == 0
+                 "--block-size", "4", "--draft-layers", "1", "--draft-vocab", "64", "--output", str(out)]) == 0
     report = json.loads(out.read_text())
+    assert report["draft_vocab"] == 64  # the drafter decoded with a 64-row head
     greedy, spec = report["fast_greedy"], report["fast_speculative"]
     assert report["greedy_step"].startswith("fast_greedy.ms_per_token")
     assert report["greedy_step_ms"] == greedy["ms_per_token"]
