@@ -268,6 +268,7 @@ def test_a_profile_counts_kernels_per_call_and_ranks_them_by_time():
     assert summary["kernels_per_call"] == 5
     assert summary["kernel_ms_per_call"] == 0.015
     assert summary["costliest_ms_per_call"] == {"gemv": 0.01, "norm": 0.004}
+    assert summary["every_kernel"] == [["gemv", 2, 0.01], ["norm", 2, 0.004], ["copy", 1, 0.001]]
 
 
 def test_the_decode_benchmark_divides_every_ratio_by_the_greedy_loops_step(tiny_setup, tmp_path):
