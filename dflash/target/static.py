@@ -292,8 +292,11 @@ class StaticTarget:
 
 
 def project_qkv(layer, qkv: tuple, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hkv: int):
-    """A decoder layer up to its attention: x [b, T, D] -> q [b, Hq, T, d], k and v [b, Hkv, T, d],
-    RoPE applied (and Qwen3's per-head norms before it). `qkv`: the layer's stacked projection."""
+    """A decoder layer up to its attention: x [b, T, D] -> q, k and v [b, Hkv, T, d], RoPE applied
+    (and Qwen3's per-head norms before it), q as the query heads that share a key/value head laid
+    out as rows of it, [b, Hkv, group x T, d] (row r x T + t: head g x group + r at position t):
+    GQA without a copy of the cache, and, compiled, the layout is written by the RoPE kernel rather
+    than copied before the attention. `qkv`: the layer's stacked projection."""
     attention = layer.self_attn
     b, t, _ = x.shape
     d = attention.head_dim
@@ -305,7 +308,7 @@ def project_qkv(layer, qkv: tuple, x: torch.Tensor, cos: torch.Tensor, sin: torc
     else:
         qk = projected[:, :, :heads + hkv]
     qk = rotate(qk.transpose(1, 2), cos, sin)  # [b, Hq + Hkv, T, d]
-    return qk[:, :heads], qk[:, heads:], projected[:, :, heads + hkv:].transpose(1, 2)
+    return qk[:, :heads].reshape(b, hkv, heads // hkv * t, d), qk[:, heads:], projected[:, :, heads + hkv:].transpose(1, 2)
 
 
 def project_and_write(layer, qkv: tuple, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hkv: int,
@@ -322,13 +325,14 @@ def project_and_write(layer, qkv: tuple, x: torch.Tensor, cos: torch.Tensor, sin
 
 def finish_layer(layer, gate_up: tuple, x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  mask: torch.Tensor, hkv: int) -> torch.Tensor:
-    """The rest of the decoder layer: attention of q over keys/values, its output projection and
-    the MLP, each added to the residual x [b, T, D]. `gate_up`: the layer's stacked projection."""
+    """The rest of the decoder layer: attention of q (project_qkv's rows layout) over keys/values,
+    its output projection and the MLP, each added to the residual x [b, T, D]. `gate_up`: the
+    layer's stacked projection."""
     attention = layer.self_attn
-    b, heads, t, d = q.shape
-    # GQA without copying the cache: the query heads sharing a key/value head become rows of it
-    rows_q = q.reshape(b, hkv, heads // hkv * t, d)  # query head h = g * rep + r serves head g
-    out = attend(rows_q, keys, values, mask, attention.scaling)
+    b, t = x.shape[:2]
+    d = q.shape[-1]
+    heads = q.shape[2] // t * hkv
+    out = attend(q, keys, values, mask, attention.scaling)
     x = x + attention.o_proj(out.reshape(b, heads, t, d).transpose(1, 2).reshape(b, t, -1))
     gate, up = F.linear(rms_norm(layer.post_attention_layernorm, x), *gate_up).chunk(2, dim=-1)
     return x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
