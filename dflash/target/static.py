@@ -244,7 +244,7 @@ class StaticTarget:
         `compiled`: the layers run compiled_layer_parts (the graphed steps); `shared`: every row's
         columns are the same, so the compiled projection writes the cache itself."""
         target = self.target
-        x = target.embed_tokens(ids)
+        x, delta = target.embed_tokens(ids), None  # the residual stream is x + delta (finish_layer)
         cos, sin = target.decoder.rotary_emb(x, columns)  # a row's column is its position
         half = cos.shape[-1] // 2
         cos, sin = cos[:, None], torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)[:, None]
@@ -257,14 +257,18 @@ class StaticTarget:
         for index, layer in enumerate(target.layers):
             if write_inside:
                 cache_keys, cache_values = self.keys[index], self.values[index]
-                q = project_write(layer, self.qkv[index], x, cos, sin, hkv, cache_keys, cache_values, columns[0])
+                q, x = project_write(layer, self.qkv[index], x, delta, cos, sin, hkv, cache_keys, cache_values,
+                                     columns[0])
                 keys, values = cache_keys[:, :, :span], cache_values[:, :, :span]
             else:
-                q, k, v = project(layer, self.qkv[index], x, cos, sin, hkv)
+                q, k, v, x = project(layer, self.qkv[index], x, delta, cos, sin, hkv)
                 keys, values = self._cached(index, k, v, columns, span, rows)
-            x = finish(layer, self.gate_up[index], x, q, keys, values, masks[index], hkv)
-            if features and index in self.feature_layers:
-                captured[index] = x
+            if features and index - 1 in self.feature_layers:  # x: the previous layer's output
+                captured[index - 1] = x
+            x, delta = finish(layer, self.gate_up[index], x, q, keys, values, masks[index], hkv)
+        x = x + delta
+        if features and len(target.layers) - 1 in self.feature_layers:
+            captured[len(target.layers) - 1] = x
         if last is not None:  # a prefill's logits for every position would be [b, P, vocab]
             x = x.gather(1, last.view(-1, 1, 1).expand(-1, 1, x.shape[-1]))
         logits = target.lm_head(rms_norm(target.decoder.norm, x))
@@ -291,12 +295,17 @@ class StaticTarget:
         return cache_keys[rows, :, :span], cache_values[rows, :, :span]
 
 
-def project_qkv(layer, qkv: tuple, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hkv: int):
-    """A decoder layer up to its attention: x [b, T, D] -> q, k and v [b, Hkv, T, d], RoPE applied
-    (and Qwen3's per-head norms before it), q as the query heads that share a key/value head laid
-    out as rows of it, [b, Hkv, group x T, d] (row r x T + t: head g x group + r at position t):
-    GQA without a copy of the cache, and, compiled, the layout is written by the RoPE kernel rather
-    than copied before the attention. `qkv`: the layer's stacked projection."""
+def project_qkv(layer, qkv: tuple, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                hkv: int):
+    """A decoder layer up to its attention, its input the residual stream x + delta [b, T, D] (the
+    previous layer's last addition is made here: compiled, it shares a kernel with this layer's
+    norm; None: nothing to add) -> q, k and v [b, Hkv, T, d], RoPE applied (and Qwen3's per-head
+    norms before it), and the input x + delta. q comes as the query heads that share a key/value
+    head laid out as rows of it, [b, Hkv, group x T, d] (row r x T + t: head g x group + r at
+    position t): GQA without a copy of the cache, and, compiled, the layout is written by the RoPE
+    kernel rather than copied before the attention. `qkv`: the layer's stacked projection."""
+    if delta is not None:
+        x = x + delta
     attention = layer.self_attn
     b, t, _ = x.shape
     d = attention.head_dim
@@ -308,26 +317,29 @@ def project_qkv(layer, qkv: tuple, x: torch.Tensor, cos: torch.Tensor, sin: torc
     else:
         qk = projected[:, :, :heads + hkv]
     qk = rotate(qk.transpose(1, 2), cos, sin)  # [b, Hq + Hkv, T, d]
-    return qk[:, :heads].reshape(b, hkv, heads // hkv * t, d), qk[:, heads:], projected[:, :, heads + hkv:].transpose(1, 2)
+    q = qk[:, :heads].reshape(b, hkv, heads // hkv * t, d)
+    return q, qk[:, heads:], projected[:, :, heads + hkv:].transpose(1, 2), x
 
 
-def project_and_write(layer, qkv: tuple, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hkv: int,
-                      cache_keys: torch.Tensor, cache_values: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+def project_and_write(layer, qkv: tuple, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor,
+                      sin: torch.Tensor, hkv: int, cache_keys: torch.Tensor, cache_values: torch.Tensor,
+                      columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """project_qkv, and its k and v written at cache columns `columns` [T] of every row of one
-    layer's caches [b, Hkv, capacity, d] -> q. Compiled, the writes land in the projection's own
-    kernel, in place: Inductor runs index_copy_ on the cache itself (a scatter_ it would run on a
-    copy of the whole cache, then copy back)."""
-    q, k, v = project_qkv(layer, qkv, x, cos, sin, hkv)
+    layer's caches [b, Hkv, capacity, d] -> q, x + delta. Compiled, the writes land in the
+    projection's own kernel, in place: Inductor runs index_copy_ on the cache itself (a scatter_
+    it would run on a copy of the whole cache, then copy back)."""
+    q, k, v, x = project_qkv(layer, qkv, x, delta, cos, sin, hkv)
     cache_keys.index_copy_(2, columns, k)
     cache_values.index_copy_(2, columns, v)
-    return q
+    return q, x
 
 
 def finish_layer(layer, gate_up: tuple, x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                 mask: torch.Tensor, hkv: int) -> torch.Tensor:
-    """The rest of the decoder layer: attention of q (project_qkv's rows layout) over keys/values,
-    its output projection and the MLP, each added to the residual x [b, T, D]. `gate_up`: the
-    layer's stacked projection."""
+                 mask: torch.Tensor, hkv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rest of the decoder layer: attention of q (project_qkv's rows layout) over keys/values
+    and its output projection, added to the residual x [b, T, D]; then the MLP -> (that sum, the
+    MLP's output): the layer's output is their sum, made by the next layer's projection.
+    `gate_up`: the layer's stacked projection."""
     attention = layer.self_attn
     b, t = x.shape[:2]
     d = q.shape[-1]
@@ -335,7 +347,7 @@ def finish_layer(layer, gate_up: tuple, x: torch.Tensor, q: torch.Tensor, keys: 
     out = attend(q, keys, values, mask, attention.scaling)
     x = x + attention.o_proj(out.reshape(b, heads, t, d).transpose(1, 2).reshape(b, t, -1))
     gate, up = F.linear(rms_norm(layer.post_attention_layernorm, x), *gate_up).chunk(2, dim=-1)
-    return x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+    return x, layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
 
 
 _compiled_parts = None
