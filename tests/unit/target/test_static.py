@@ -147,6 +147,29 @@ def test_the_cache_write_inside_the_projection_leaves_what_the_separate_write_do
     assert inside.keys[:, :, :, 17:].abs().sum() == 0, "nothing written past the steps' columns"
 
 
+@pytest.mark.gpu
+def test_compiled_graphed_steps_give_the_eager_steps_choices_features_and_caches(arch):
+    """On a GPU the graphed steps run compiled layer parts (the cache write inside the projection,
+    the residual addition in the next layer's): one token and blocks of 4, against eager steps."""
+    target = tiny_target(arch, dtype=torch.float32)
+    target.model.cuda()
+    compiled = StaticTarget(target, batch=1, capacity=64, compiled=True)
+    eager = StaticTarget(target, batch=1, capacity=64, cuda_graphs=False)
+    assert compiled.compiled and compiled.graphs.enabled
+    ids = torch.tensor([[5, 17, 3, 44, 9, 60, 2, 71, 30]], device="cuda")
+    (choice, _), (want, _) = compiled.prefill(ids), eager.prefill(ids)
+    assert choice.tolist() == want.tolist()
+    at = ids.shape[1]
+    for width in (1, 4, 1, 4):
+        block = torch.cat([want[:, -1:], torch.tensor([[7, 11, 13]], device="cuda")[:, :width - 1]], dim=1)
+        (choice, features), (want, want_features) = compiled.step(block, at), eager.step(block, at)
+        assert choice.tolist() == want.tolist()
+        torch.testing.assert_close(features, want_features, rtol=1e-4, atol=1e-4)
+        at += width
+    torch.testing.assert_close(compiled.keys[:, :, :, :at], eager.keys[:, :, :, :at], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(compiled.values[:, :, :, :at], eager.values[:, :, :, :at], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_a_padded_prefill_decodes_what_the_prompt_alone_does(arch, device):
     """Prompts padded to a multiple of 16 (a CUDA graph per padded length on a GPU, captured with
