@@ -229,9 +229,10 @@ def test_compiled_drafter_steps_write_and_propose_what_the_eager_ones_do(window)
     assert proposals["compiled"] == proposals["eager"]
 
 
-def test_sampling_inside_cuda_graphs_draws_fresh_numbers_at_every_replay():
-    """Regeneration with --sampling target draws inside the captured step: every row and every
-    replay must get new random numbers, and the seed must repeat the run."""
+@pytest.mark.parametrize("top_p", [1.0, 0.99], ids=["gumbel", "nucleus-by-rejection"])
+def test_sampling_inside_cuda_graphs_draws_fresh_numbers_at_every_replay(top_p):
+    """Regeneration with --sampling target (and Magpie) draws inside the captured step: every row
+    and every replay must get new random numbers, and the seed must repeat the run."""
     from conftest import tiny_target
     from dflash.target.generate import generate_batches
     from dflash.target.sampling import Sampling
@@ -243,7 +244,8 @@ def test_sampling_inside_cuda_graphs_draws_fresh_numbers_at_every_replay():
     def draw(seed):
         torch.manual_seed(seed)
         replies = {}
-        for indices, rows in generate_batches(target, prompts, 12, set(), batch_tokens=64 * 512, sampling=Sampling()):
+        for indices, rows in generate_batches(target, prompts, 12, set(), batch_tokens=64 * 512,
+                                             sampling=Sampling(top_p=top_p)):
             replies.update((i, tokens) for i, (tokens, _) in zip(indices, rows))
         return [replies[i] for i in range(64)]
 

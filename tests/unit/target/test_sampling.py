@@ -23,9 +23,10 @@ def hf_probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     return scores.softmax(-1)[0]
 
 
-@pytest.mark.parametrize("sampling", [Sampling(), Sampling(0.7, 5), Sampling(1.3, 0, 0.8), Sampling(0.8, 6, 0.9)],
-                         ids=str)
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(0.7, 5), Sampling(1.3, 0, 0.8), Sampling(0.8, 6, 0.9),
+                                      Sampling(1.0, 0, 0.99), Sampling(1.3, 0, 0.97)], ids=str)
 def test_draws_follow_hf_generations_distribution(sampling):
+    """Top-p of 0.97 and more over the whole vocabulary is drawn by rejection, lower top-p by sorting."""
     torch.manual_seed(0)
     logits = torch.randn(12) * 2
     want = hf_probabilities(logits, sampling)
