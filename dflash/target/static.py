@@ -5,7 +5,8 @@ Python. Here each layer's keys/values live in a buffer of fixed capacity: a forw
 tokens writes them at cache columns start..start+T-1 of its row (rows may be at different
 columns) and attends over the used columns under a mask (a column is visible when it is at or
 before the query's column and, on sliding layers, inside the window). Fixed shapes let a step be
-replayed as a CUDA graph; a prompt is padded to a multiple of PREFILL_STEP so that its prefill is too. Nothing is ever cropped: a rejected draft's columns are masked for every later
+replayed as a CUDA graph, and a prompt padded at its end to a multiple of PREFILL_STEP lets its
+prefill be one too. Nothing is ever cropped: a rejected draft's columns are masked for every later
 query and rewritten before they become visible again. A step is bound by its kernel count, so
 q/k/v run as one matrix product and gate/up as another (`fused_rows`).
 
@@ -77,7 +78,7 @@ class StaticTarget:
     as speculative decoding runs it), or each row at its own columns (`extend_rows` for a prompt
     entering some rows, `step_rows` for one new token in every row): batched regeneration, where
     a row whose reply has ended takes the next prompt while the others go on. A row's sequence
-    always starts at its column 0, so column = position and nothing is padded."""
+    always starts at its column 0, so column = position and nothing is padded before a prompt."""
 
     def __init__(self, target: FrozenTarget, batch: int, capacity: int, cuda_graphs: bool = True,
                  sampling: Sampling | None = None, compiled: bool = False, prefill_step: int | None = None):
@@ -359,8 +360,9 @@ def compiled_layer_parts():
     residuals, the MLP's gate) fuses into few kernels, and a graphed step is bound by its kernel
     count. The cache write joins the projection where every row writes the same columns (batch-1
     decoding); rows at their own columns write it eagerly. One compilation serves every layer
-    (their modules' weights and caches are its inputs). Batch-1 decoding uses them; regeneration
-    does not, since its batches change shape and each shape compiles again."""
+    but the first, which has no residual to add (their modules' weights and caches are its
+    inputs). Batch-1 decoding uses them; regeneration does not, since its batches change shape and
+    each shape compiles again."""
     global _compiled_parts
     if _compiled_parts is None:
         _compiled_parts = (torch.compile(project_qkv), torch.compile(project_and_write), torch.compile(finish_layer))
