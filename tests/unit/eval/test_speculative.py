@@ -271,19 +271,29 @@ def test_a_profile_counts_kernels_per_call_and_ranks_them_by_time():
     assert summary["every_kernel"] == [["gemv", 2, 0.01], ["norm", 2, 0.004], ["copy", 1, 0.001]]
 
 
-def test_the_decode_benchmark_divides_every_ratio_by_the_greedy_loops_step(tiny_setup, tmp_path):
+def test_the_decode_benchmark_divides_every_ratio_by_the_greedy_loops_step(tiny_setup, tmp_path, monkeypatch):
     """One greedy step for every ratio, named in the report: the fast greedy loop's time after
     the prefill, per token (not a step replayed alone, nor a loop timed with its prefills)."""
     import json
 
+    import dflash.benchmarks.decode as decode
     from dflash.benchmarks.decode import main
+    from dflash.drafter.model import head_vocab_size
+
+    heads = []
+
+    def drafter_recording_its_head(config):
+        heads.append(head_vocab_size(config))
+        return speculative.DFlashDrafter(config)
+
+    monkeypatch.setattr(decode, "DFlashDrafter", drafter_recording_its_head)
 
     out = tmp_path / "decode.json"
     assert main(["--target", str(tiny_setup["target"]), "--prompts", str(tiny_setup["heldout"]), "--device", "cpu",
                  "--dtype", "float32", "--num-prompts", "2", "--plain-prompts", "1", "--max-new-tokens", "8",
                  "--block-size", "4", "--draft-layers", "1", "--draft-vocab", "64", "--output", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert report["draft_vocab"] == 64  # the drafter decoded with a 64-row head
+    assert report["draft_vocab"] == 64 and heads == [64], "the drafter decoded with a 64-row head"
     greedy, spec = report["fast_greedy"], report["fast_speculative"]
     assert report["greedy_step"].startswith("fast_greedy.ms_per_token")
     assert report["greedy_step_ms"] == greedy["ms_per_token"]
