@@ -35,8 +35,8 @@ DEFAULT_SAVE_MINUTES = 30.0  # a week-long run keeps a checkpoint this often unl
 class ModelArgs:
     target: str | None = field(default=None, metadata={"help": "HF causal-LM folder, or a .gguf file (de-quantized once into <output-dir>/target-hf) (default: the shipped demo target)"})
     tokenizer: str | None = field(default=None, metadata={"help": "tokenizer folder with a chat template, or a .gguf file (default: --target)"})
-    preset: str = field(default="auto", metadata={"help": "the defaults of the flags left unset: recipe (the published DFlash recipe, targets of about 4B and up) | small (B=8, 128 anchors, a 32,768-token draft vocabulary, cut replies kept: targets of up to about 2B, such as Qwen2.5-Coder-0.5B) | demo; auto: demo for the shipped demo target, else recipe"})
-    num_draft_layers: int | None = field(default=None, metadata={"help": "drafter layers (recipe 5, demo 3)"})
+    preset: str = field(default="auto", metadata={"help": "the defaults of the flags left unset: recipe (the published DFlash recipe, targets of about 4B and up) | small (3 drafter layers, B=8, 128 anchors, a 32,768-token draft vocabulary, cut replies kept: targets of up to about 2B, such as Qwen2.5-Coder-0.5B) | demo; auto: demo for the shipped demo target, else recipe"})
+    num_draft_layers: int | None = field(default=None, metadata={"help": "drafter layers (recipe 5, small 3, demo 3)"})
     target_layer_ids: list[int] | None = field(default=None, metadata={"help": "target layers whose outputs feed the drafter"})
     num_target_features: int | None = field(default=None, metadata={
         "help": "K, when --target-layer-ids is not given (recipe 5, demo 4)"})
@@ -130,8 +130,11 @@ RECIPE = {"num_draft_layers": 5, "num_target_features": 5, "block_size": 16, "ep
 # many steps a GPU-minute buys. 8 tokens a block, 128 anchors and the 32,768 most frequent reply tokens
 # (98.8% of Qwen2.5-Coder-0.5B's) make the step about a third of the recipe's; such runs go through
 # their replies several times, so the third of them cut at the length limit are kept as more data
-# (BENCHMARKS.md "Qwen2.5-Coder-0.5B": tau 2.71 at 128 tokens after 12 minutes).
-SMALL = {**RECIPE, "block_size": 8, "max_anchors": 128, "draft_vocab": 32768, "cut_replies": "keep"}
+# (BENCHMARKS.md "Qwen2.5-Coder-0.5B": tau 2.71 at 128 tokens after 12 minutes). Three drafter layers
+# learn as much per GPU-minute as five, and their decode cycle costs 1.26 greedy steps against 1.38
+# (BENCHMARKS.md "Recipe probes at equal GPU time").
+SMALL = {**RECIPE, "num_draft_layers": 3, "block_size": 8, "max_anchors": 128, "draft_vocab": 32768,
+         "cut_replies": "keep"}
 # The demo runs on a laptop CPU, where verifying B tokens costs more than one token's arithmetic
 # (a GPU verifies 16 for the price of one), so it drafts 8. Copying text, as the demo target does,
 # takes a drafter of 3 layers a few epochs to learn; 4 fit the demo's ten minutes (BENCHMARKS.md

@@ -24,7 +24,7 @@
 #   EPOCHS=3           training epochs (SmolLM2-135M: 3 took 16 minutes on an H200, tau 3.19 at 384 tokens)
 #   MINUTES            train this many minutes instead (--max-minutes; EPOCHS then only caps the run)
 #   MAX_TOKENS=32768   tokens per micro-batch (a 135M target leaves the GPU idle at the recipe's 8192)
-#   PRESET             train_drafter.py --preset: small (B=8, 128 anchors, a 32,768-token draft
+#   PRESET             train_drafter.py --preset: small (3 layers, B=8, 128 anchors, a 32,768-token draft
 #                      vocabulary, cut replies kept) for the packaged targets; auto for a TARGET
 #   MASK_ID            the drafter's mask token (default: a spare embedding row, found automatically;
 #                      16, <empty_output>, for smollm2-135m, whose tokenizer uses every row)

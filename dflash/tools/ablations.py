@@ -56,7 +56,7 @@ GROUPS: dict[str, list[tuple[str, list[str]]]] = {
     "anchors": [("random", []), ("stride", ["--anchors", "stride"])],
     "feature layers": [("default", []), ("3", ["--num-target-features", "3"]), ("1", ["--num-target-features", "1"])],
     "draft layers": [("default", []), ("1", ["--num-draft-layers", "1"]), ("3", ["--num-draft-layers", "3"]),
-                     ("8", ["--num-draft-layers", "8"])],
+                     ("5", ["--num-draft-layers", "5"]), ("8", ["--num-draft-layers", "8"])],
     "attention": [("full", []), ("window 64", ["--draft-window", "64"])],
     "optimizer": [("adamw", []), ("muon", ["--optimizer", "muon"]),
                   ("muon, lr 0.08", ["--optimizer", "muon", "--muon-lr", "0.08"]),

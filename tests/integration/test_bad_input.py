@@ -147,9 +147,9 @@ def test_a_preset_fills_only_the_flags_left_unset(paths):
 
     assert settings() == settings("--preset", "recipe") == (16, 512, 0, "drop", 5)  # auto: the recipe
     assert settings("--preset", "small") == (SMALL["block_size"], SMALL["max_anchors"], SMALL["draft_vocab"],
-                                             SMALL["cut_replies"], SMALL["num_draft_layers"]) == (8, 128, 32768, "keep", 5)
+                                             SMALL["cut_replies"], SMALL["num_draft_layers"]) == (8, 128, 32768, "keep", 3)
     assert settings("--preset", "small", "--block-size", "16", "--draft-vocab", "0", "--cut-replies", "drop") \
-        == (16, 128, 0, "drop", 5)
+        == (16, 128, 0, "drop", 3)
 
 
 def test_report_to_wandb_without_the_package_is_refused_before_set_up(capsys, paths, monkeypatch):
