@@ -68,6 +68,7 @@ class DataArgs:
     prepare_workers: int = field(default=0, metadata={"help": "processes tokenizing the data (0: the usable cores, up to 16, for files of 8 MB and more, else 1)"})
     cache_target_features: bool | None = field(default=None, metadata={
         "help": "keep each sample's target features after its first epoch, so later epochs skip the target's forward; memory: every token's features (recipe off, demo on)"})
+    reuse_features: int = field(default=1, metadata={"help": "N > 1: each micro-batch's target features serve N optimizer steps in a row, each drawing its own anchors (data echoing): the target runs once per N steps and an epoch takes N times the steps; pays where the target's forward is a large share of a step (the training log's FLOP model gives it)"})
     max_draft_positions: int | None = field(default=None, metadata={"help": "padded draft positions (anchors x B) per micro-batch; default: from the memory model on a GPU, no limit on CPU; 0: no limit"})
 
 
@@ -377,6 +378,8 @@ def _validate_inputs_and_shapes(config: RunConfig) -> None:
     _require(2 <= m.block_size <= d.max_length,
              f"--block-size {m.block_size}: need 2 <= block size <= --max-length ({d.max_length})")
     _require(t.max_anchors >= 1, f"--max-anchors {t.max_anchors}: need at least one anchor per sequence")
+    _require(d.reuse_features >= 1, f"--reuse-features {d.reuse_features}: use 1 (each micro-batch's features once) "
+             "or more")
     _require(d.max_tokens >= d.max_length,
              f"--max-tokens {d.max_tokens}: a micro-batch must hold one full sequence (--max-length {d.max_length})")
     _require(d.max_draft_positions is None or d.max_draft_positions == 0

@@ -14,7 +14,10 @@ Each epoch, seeded by (seed, epoch):
      empty batch, which the trainer must accept);
   4. steps of all buckets are interleaved so that after t of T steps every
      bucket has used about t/T of its steps: no long runs of one length, and
-     all buckets run out together.
+     all buckets run out together;
+  5. with echo E > 1, each run of `echo_span` steps (one optimizer step's
+     micro-batches) follows itself E times: data echoing, where a micro-batch's
+     target features serve E optimizer steps, each drawing its own anchors.
 
 Every rank builds the same plan from the same lengths, so no communication is
 needed; a rank reads its own column of the plan.
@@ -48,6 +51,7 @@ class EpochPlan:
     samples: np.ndarray  # sample indices, step-major then rank-major
     bounds: np.ndarray  # num_steps * num_replicas + 1 offsets into samples
     buckets: np.ndarray  # bucket of each step
+    echoes: np.ndarray | None = None  # True where a step repeats an earlier step's micro-batches
 
     @property
     def num_steps(self) -> int:
@@ -74,6 +78,8 @@ class RankAwareBucketSampler:
         num_epochs: int | None = None,
         draft_positions: np.ndarray | None = None,
         max_draft_positions: int | None = None,
+        echo: int = 1,
+        echo_span: int = 1,
     ) -> None:
         self.lengths = _checked_lengths(lengths, max_tokens)
         self.budget = DraftBudget.checked(draft_positions, max_draft_positions, len(self.lengths))
@@ -84,6 +90,9 @@ class RankAwareBucketSampler:
         self.seed = int(seed)
         self.shuffle = shuffle
         self.num_epochs = num_epochs
+        if echo < 1 or echo_span < 1:
+            raise DataError(f"--reuse-features {echo}: use 1 (each micro-batch once) or more")
+        self.echo, self.echo_span = int(echo), int(echo_span)
         self.epoch = 0
         self.position = 0
         # earlier parts of the current epoch run with other rank counts: (num_replicas, steps)
@@ -107,6 +116,12 @@ class RankAwareBucketSampler:
         """Global steps in the current epoch (packing depends on the shuffle, so it can vary);
         after a resume onto another rank count, the steps of the epoch's remaining part."""
         return self._plan().num_steps
+
+    def is_echo(self, step: int) -> bool:
+        """Whether step `step` repeats an earlier step's micro-batches (its features can be reused)."""
+        plan = self._plan()
+        _check_step(step, plan.num_steps)
+        return plan.echoes is not None and bool(plan.echoes[step])
 
     def step_batches(self, step: int) -> list[list[int]]:
         """The num_replicas micro-batches of global step `step`, element r for rank r."""
@@ -195,6 +210,7 @@ class RankAwareBucketSampler:
             "num_replicas": self.num_replicas,
             "shuffle": self.shuffle,
             **({"max_draft_positions": self.budget.limit} if self.budget else {}),
+            **({"echo": self.echo, "echo_span": self.echo_span} if self.echo > 1 else {}),
         }
 
     # ------------------------------------------------------------------ planning
@@ -220,7 +236,7 @@ class RankAwareBucketSampler:
         per_bucket = [self._bucket_steps(b, rng, replicas, unused) for b in range(num_buckets)]
         priority = rng.permutation(num_buckets) if self.shuffle else -np.arange(num_buckets)
         order = interleave_buckets([len(sizes) for _, sizes in per_bucket], priority.tolist())
-        plan = _assemble(per_bucket, order, replicas)
+        plan = _echoed(_assemble(per_bucket, order, replicas), self.echo, self.echo_span, replicas)
         logger.debug("epoch %d part %d: %d steps, per bucket %s", epoch, part, plan.num_steps,
                      [len(sizes) for _, sizes in per_bucket])
         return plan
@@ -416,6 +432,21 @@ def _assemble(
     gather = np.repeat(step_starts[rows] - out_starts, totals) + np.arange(int(totals.sum()))
     bounds = np.concatenate([[0], np.cumsum(sizes[rows].ravel())])
     return EpochPlan(samples=samples[gather], bounds=bounds, buckets=order)
+
+
+def _echoed(plan: EpochPlan, echo: int, span: int, num_replicas: int) -> EpochPlan:
+    """The plan with each run of `span` steps following itself `echo` times."""
+    if echo == 1:
+        return plan
+    steps = np.arange(plan.num_steps)
+    runs = [steps[first:first + span] for first in range(0, plan.num_steps, span)]
+    order = np.concatenate([np.tile(run, echo) for run in runs] + [np.empty(0, dtype=np.int64)])
+    echoes = np.concatenate([np.arange(len(run) * echo) >= len(run) for run in runs] + [np.empty(0, dtype=bool)])
+    starts, ends = plan.bounds[order * num_replicas], plan.bounds[(order + 1) * num_replicas]
+    gather = np.concatenate([np.arange(a, b) for a, b in zip(starts, ends)] + [np.empty(0, dtype=np.int64)])
+    sizes = np.diff(plan.bounds).reshape(-1, num_replicas)[order].ravel()
+    return EpochPlan(samples=plan.samples[gather], bounds=np.concatenate([[0], np.cumsum(sizes)]),
+                     buckets=plan.buckets[order], echoes=echoes)
 
 
 # ---------------------------------------------------------------------- validation

@@ -3,12 +3,15 @@
 Colocated: this rank runs the frozen target itself. Split: a target rank runs it and the
 features arrive over point-to-point transfers, requested ahead of time (up to the credit) so
 transfer and target compute overlap the drafter's step. Both hand out batches in the drafter's
-own step order, so the data a drafter sees does not depend on which rank computed it.
+own step order, so the data a drafter sees does not depend on which rank computed it. With
+--reuse-features, a micro-batch the sampler repeats takes the features it had the first time
+(RecentBatches): neither the colocated target nor a target rank runs it again.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import dataclasses
+from collections import OrderedDict, deque
 from collections.abc import Iterator
 
 import torch
@@ -49,6 +52,24 @@ class FeatureCache:
         return features, finals
 
 
+class RecentBatches:
+    """The features of the last `span` micro-batches (one optimizer step's), by their sample ids:
+    the sampler's echo of a micro-batch (--reuse-features) follows within that many."""
+
+    def __init__(self, span: int):
+        self.span = span
+        self._batches: OrderedDict[tuple[int, ...], FeatureBatch] = OrderedDict()
+
+    def get(self, indices: list[int]) -> FeatureBatch | None:
+        batch = self._batches.get(tuple(indices))
+        return None if batch is None else dataclasses.replace(batch, reused=True)
+
+    def put(self, indices: list[int], batch: FeatureBatch) -> None:
+        self._batches[tuple(indices)] = batch
+        while len(self._batches) > self.span:
+            self._batches.popitem(last=False)
+
+
 def compute_features(target: FrozenTarget, dataset: TokenDataset, indices: list[int], pad_id: int,
                      with_final_hidden: bool, clock: PhaseClock | None = None,
                      cache: FeatureCache | None = None) -> FeatureBatch:
@@ -58,6 +79,7 @@ def compute_features(target: FrozenTarget, dataset: TokenDataset, indices: list[
     if clock is not None:
         clock.mark("data")
     cached = cache.lookup(indices, input_ids.shape[1]) if cache is not None else None
+    reused = cached is not None
     if cached is None:
         out = target.features(input_ids, with_final_hidden=with_final_hidden)
         cached = out.features, out.final_hidden
@@ -65,16 +87,16 @@ def compute_features(target: FrozenTarget, dataset: TokenDataset, indices: list[
             cache.store(indices, batch["lengths"], *cached)
     if clock is not None:
         clock.mark("target_forward")
-    return FeatureBatch(input_ids, batch["loss_mask"].to(target.device), *cached)
+    return FeatureBatch(input_ids, batch["loss_mask"].to(target.device), *cached, reused=reused)
 
 
 class LocalFeatures:
     """Colocated: the target lives on this rank."""
 
     def __init__(self, target: FrozenTarget, dataset: TokenDataset, pad_id: int, with_final_hidden: bool,
-                 cache: FeatureCache | None = None):
+                 cache: FeatureCache | None = None, recent: RecentBatches | None = None):
         self.target, self.dataset, self.pad_id = target, dataset, pad_id
-        self.with_final_hidden, self.cache = with_final_hidden, cache
+        self.with_final_hidden, self.cache, self.recent = with_final_hidden, cache, recent
 
     def batches(self, schedule: Iterator[tuple[int, list[int]]],
                 clock: PhaseClock | None = None) -> Iterator[tuple[int, list[int], FeatureBatch | None]]:
@@ -84,8 +106,13 @@ class LocalFeatures:
             if not indices:
                 yield step, indices, None
                 continue
-            yield step, indices, compute_features(self.target, self.dataset, indices, self.pad_id,
-                                                  self.with_final_hidden, clock, self.cache)
+            batch = self.recent.get(indices) if self.recent is not None else None
+            if batch is None:
+                batch = compute_features(self.target, self.dataset, indices, self.pad_id, self.with_final_hidden,
+                                         clock, self.cache)
+                if self.recent is not None:
+                    self.recent.put(indices, batch)
+            yield step, indices, batch
 
     def queue_depths(self) -> dict[int, int]:
         return {}
@@ -104,16 +131,18 @@ class LocalFeatures:
 class RemoteFeatures:
     """Split: requests go out ahead of use, as far as the credit allows."""
 
-    def __init__(self, client: DrafterClient, device: torch.device):
+    def __init__(self, client: DrafterClient, device: torch.device, recent: RecentBatches | None = None):
         self.client = client
         self.device = device
+        self.recent = recent
         self.served_by: dict[int, int] = {}  # target rank -> micro-batches it computed for us
 
     def batches(self, schedule: Iterator[tuple[int, list[int]]],
                 clock: PhaseClock | None = None) -> Iterator[tuple[int, list[int], FeatureBatch | None]]:
         """(step, indices, batch) in schedule order; batch is None where this rank got no samples.
         `clock` is told when the features are here (the wait for them counts as data)."""
-        pending: deque[tuple[int, list[int]]] = deque()  # requested or empty steps, in the drafter's order
+        pending: deque[tuple[int, list[int], bool]] = deque()  # (step, indices, an echo): in the drafter's order
+        submitted: deque[tuple[int, ...]] = deque(maxlen=self.recent.span if self.recent is not None else 0)
         schedule = iter(schedule)
         exhausted = False
         while True:
@@ -123,18 +152,25 @@ class RemoteFeatures:
                     exhausted = True
                     break
                 step, indices = item
-                if indices:
+                echo = bool(indices) and tuple(indices) in submitted  # answered before it: FIFO
+                if indices and not echo:
                     self.client.submit(step, indices)
-                pending.append((step, indices))
+                    submitted.append(tuple(indices))
+                pending.append((step, indices, echo))
             if not pending:
                 return
-            step, indices = pending.popleft()
+            step, indices, echo = pending.popleft()
             if not indices:
                 yield step, indices, None
+                continue
+            if echo:
+                yield step, indices, self.recent.get(indices)
                 continue
             got = self.client.receive(step)
             self.served_by[got.target_rank] = self.served_by.get(got.target_rank, 0) + 1
             batch = got.to(self.device)
+            if self.recent is not None:
+                self.recent.put(indices, batch)
             if clock is not None:
                 clock.mark("data")
             yield step, indices, batch

@@ -86,7 +86,8 @@ def stats_report(config: RunConfig, dataset: TokenDataset) -> str:
         lines.append(f"  {start:>6}: {int(members.sum()):>8} sequences, {lengths[members].sum() / lengths.sum():6.1%}")
     for ranks in (1, 8):
         sampler = RankAwareBucketSampler(lengths, bounds, config.data.max_tokens, num_replicas=ranks,
-                                         seed=config.train.seed)
+                                         seed=config.train.seed, echo=config.data.reuse_features,
+                                         echo_span=config.train.grad_accum)
         steps = -(-sampler.steps_per_epoch() // config.train.grad_accum)
         lines.append(f"steps per epoch with {ranks} drafter rank(s), --max-tokens {config.data.max_tokens}: {steps} "
                      "(on a GPU the draft-position budget can cut micro-batches further)")

@@ -306,6 +306,7 @@ def plan_batches(ctx: RankContext, drafter, ds_config: dict, newest: Path | None
         ctx.dataset.lengths, config.data.bucket_boundaries, config.data.max_tokens,
         num_replicas=drafter_ranks, seed=config.train.seed, num_epochs=config.train.epochs,
         draft_positions=anchors * dcfg.block_size if max_positions else None, max_draft_positions=max_positions,
+        echo=config.data.reuse_features, echo_span=config.train.grad_accum,
     )
     return sampler, anchors
 

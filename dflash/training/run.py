@@ -30,7 +30,8 @@ from dflash.drafter.flops import cost_shapes
 from dflash.drafter.model import drafter_config
 from dflash.drafter.objective import Blocks, LossDenominators, LossOutput, kept_gradient_scale
 from dflash.placement.distributed import RankInfo
-from dflash.placement.features import FeatureCache, FeatureSource, LocalFeatures, RemoteFeatures, compute_features
+from dflash.placement.features import (FeatureCache, FeatureSource, LocalFeatures, RecentBatches, RemoteFeatures,
+                                       compute_features)
 from dflash.placement.topology import (Topology, drafter_groups, parse_target_ranks, plan_topology, ranks_per_node,
                                        suggest_target_ranks)
 from dflash.placement.transport import (DrafterClient, FeatureBatch, TargetServer, TransportError, TransportSpec,
@@ -205,12 +206,14 @@ def train(config: RunConfig, ranks: RankInfo) -> TrainResult:
             )
             server.serve()  # until every drafter rank says stop; rank 0's routing report has the counts
         return TrainResult("target", 0, 0.0, out_dir / "drafter", out_dir / "drafter-init", {})
+    # an echoed micro-batch (--reuse-features) follows its first within one optimizer step's micro-batches
+    recent = RecentBatches(config.train.grad_accum) if config.data.reuse_features > 1 else None
     if topology.colocated:
-        source = LocalFeatures(target, dataset, pad_id, with_final, cache)
+        source = LocalFeatures(target, dataset, pad_id, with_final, cache, recent)
     else:
         with peer_losses_reported(ranks, topology, out_dir, lambda: None):
             client = DrafterClient(ranks.rank, topology.target_ranks, spec, dataset.lengths, pairs, topology.nodes)
-        source = RemoteFeatures(client, device)
+        source = RemoteFeatures(client, device, recent)
     ctx = RankContext(config, ranks, topology, dcfg, tokenizer, dataset, target, data_group, self_group, probe)
     return train_drafter_rank(ctx, source)
 
@@ -259,7 +262,7 @@ def train_steps(ctx: RankContext, run: DrafterRun, report: RunReport, source: Fe
             loss, scale, whole_skip = kept_loss(ctx, run, out.loss, skipped, per_micro)
             stepped = backward_and_step(run, loss, clock, scale)
             if batch is not None:  # an empty or skipped micro-batch's zero loss is no sample of the loss
-                report.micro_batch(out, indices)
+                report.micro_batch(out, indices, ran_target=not batch.reused)
             if stepped:
                 report.optimizer_step(epoch, batch_step)
             clock.mark("bookkeeping")

@@ -54,10 +54,11 @@ class RunReport:
         self.first_step = run.engine.global_steps
         self.collapse_warned_at: int | None = None
 
-    def micro_batch(self, out: LossOutput, indices: list[int]) -> None:
+    def micro_batch(self, out: LossOutput, indices: list[int], ran_target: bool = True) -> None:
+        """`ran_target`: the target computed this micro-batch's features for it (its FLOPs count)."""
         lengths = self.ctx.dataset.lengths[indices]
-        self.window.add(out, tokens=int(lengths.sum()),
-                        flops=micro_batch_flops(self.shapes, lengths, self.run.anchors[indices], with_target=True))
+        self.window.add(out, tokens=int(lengths.sum()), flops=micro_batch_flops(
+            self.shapes, lengths, self.run.anchors[indices], with_target=ran_target))
 
     def optimizer_step(self, epoch: int, batch_step: int) -> None:
         train, step = self.ctx.config.train, self.run.engine.global_steps

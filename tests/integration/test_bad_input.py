@@ -45,6 +45,7 @@ def test_missing_data_file(capsys, paths):
     (["--preset", "tiny"], "--preset tiny: use auto or one of recipe, small, demo"),
     (["--block-size", "64", "--max-length", "32", "--max-tokens", "64"], "--block-size 64"),
     (["--max-anchors", "0"], "--max-anchors 0"),
+    (["--reuse-features", "0"], "--reuse-features 0: use 1"),
     (["--overflow", "wrap"], "--overflow wrap"),
     (["--max-tokens", "100", "--max-length", "512"], "--max-tokens 100"),
     (["--report-to", "tensorboard"], "--report-to tensorboard"),

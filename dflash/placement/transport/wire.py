@@ -52,6 +52,7 @@ class FeatureBatch:
     features: torch.Tensor  # [b, S, F]
     final_hidden: torch.Tensor | None = None  # [b, S, D] when distillation is on
     target_rank: int | None = None  # the rank that computed it, when it came over the transport
+    reused: bool = False  # the target computed it for an earlier step (a feature cache, --reuse-features)
 
     def to(self, device: torch.device) -> FeatureBatch:
         final = self.final_hidden.to(device) if self.final_hidden is not None else None

@@ -228,6 +228,42 @@ def test_mismatched_state_raises(change, named):
         sampler.load_state_dict(state)
 
 
+@pytest.mark.parametrize("num_replicas", [1, 3])
+@pytest.mark.parametrize("echo, span", [(2, 1), (3, 1), (2, 2), (2, 3)])
+def test_echo_repeats_each_optimizer_steps_micro_batches_right_after_them(num_replicas, echo, span):
+    lengths = skewed_lengths(11)
+    plain = epoch_steps(make_sampler(lengths, num_replicas))
+    echoed = make_sampler(lengths, num_replicas, echo=echo, echo_span=span)
+    steps = epoch_steps(echoed)
+    expected, marks = [], []
+    for first in range(0, len(plain), span):  # a run of `span` steps, then its echoes; the last run may be short
+        run = plain[first:first + span]
+        expected += run * echo
+        marks += [False] * len(run) + [True] * (len(run) * (echo - 1))
+    assert steps == expected
+    assert [echoed.is_echo(step) for step in range(len(steps))] == marks
+    assert len(steps) == echo * len(plain)
+
+
+@pytest.mark.parametrize("echo", [1, 2])
+def test_a_resume_that_changes_the_echo_is_refused_by_name(echo):
+    lengths = skewed_lengths(12)
+    state = make_sampler(lengths, 2, echo=echo).state_dict()
+    with pytest.raises(DataError, match="echo"):
+        make_sampler(lengths, 2, echo=3).load_state_dict(state)
+
+
+def test_a_resume_inside_an_echo_yields_exactly_the_remaining_steps():
+    lengths = skewed_lengths(13)
+    full = list(make_sampler(lengths, 2, echo=2, echo_span=2).rank_batches(1))
+    for cut in (1, 2, 3, 5):
+        running = make_sampler(lengths, 2, echo=2, echo_span=2)
+        taken = list(itertools.islice(running.rank_batches(1), cut))
+        resumed = make_sampler(lengths, 2, echo=2, echo_span=2)
+        resumed.load_state_dict(running.state_dict())
+        assert taken + list(resumed.rank_batches(1)) == full
+
+
 # ---------------------------------------------------------------------------
 # Progress, single rank, errors, speed
 
