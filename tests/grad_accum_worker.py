@@ -76,10 +76,10 @@ def one_case(stage: int, kind: str, skipped: list[bool], groups, topology) -> di
                                                                        feature_noise_std=0.0)),
                           ranks=SimpleNamespace(device=torch.device("cpu")), data_group=groups[0], topology=topology)
     batches = micro_batches(target, ACCUM)
-    window = [(0, n, [n], batch) for n, batch in enumerate(batches)]
+    window = [(0, n, [n], batch, (n, 0)) for n, batch in enumerate(batches)]
     blocks, denominators, per_micro = plan_window(ctx, run, window, NO_CLOCK)
     verdicts = []
-    for (_, _, _, batch), these, skip in zip(window, blocks, skipped):
+    for (_, _, _, batch, _), these, skip in zip(window, blocks, skipped):
         verdicts.append(skip)
         out = step.empty_loss() if skip else micro_batch_loss(ctx, run, batch, these, denominators)
         loss, scale, _ = kept_loss(ctx, run, out.loss, verdicts, per_micro)

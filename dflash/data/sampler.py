@@ -17,7 +17,9 @@ Each epoch, seeded by (seed, epoch):
      all buckets run out together;
   5. with echo E > 1, each run of `echo_span` steps (one optimizer step's
      micro-batches) follows itself E times: data echoing, where a micro-batch's
-     target features serve E optimizer steps, each drawing its own anchors.
+     target features serve E optimizer steps. Round k of a micro-batch draws its
+     anchors from the same random order as round 0, the next ones along it
+     (`anchor_draw`), so its echoes train on blocks it has not seen yet.
 
 Every rank builds the same plan from the same lengths, so no communication is
 needed; a rank reads its own column of the plan.
@@ -51,7 +53,8 @@ class EpochPlan:
     samples: np.ndarray  # sample indices, step-major then rank-major
     bounds: np.ndarray  # num_steps * num_replicas + 1 offsets into samples
     buckets: np.ndarray  # bucket of each step
-    echoes: np.ndarray | None = None  # True where a step repeats an earlier step's micro-batches
+    sources: np.ndarray | None = None  # with echo: the step whose micro-batches each step repeats (or its own)
+    rounds: np.ndarray | None = None  # with echo: 0 for a micro-batch's first step, k for its k-th echo
 
     @property
     def num_steps(self) -> int:
@@ -117,11 +120,14 @@ class RankAwareBucketSampler:
         after a resume onto another rank count, the steps of the epoch's remaining part."""
         return self._plan().num_steps
 
-    def is_echo(self, step: int) -> bool:
-        """Whether step `step` repeats an earlier step's micro-batches (its features can be reused)."""
+    def anchor_draw(self, step: int) -> tuple[int, int]:
+        """(the step whose random anchor order step `step` draws from, its round along that order):
+        (step, 0) without echo; an echo draws from its first step's order, round 1, 2, ..."""
         plan = self._plan()
         _check_step(step, plan.num_steps)
-        return plan.echoes is not None and bool(plan.echoes[step])
+        if plan.rounds is None:
+            return step, 0
+        return int(plan.sources[step]), int(plan.rounds[step])
 
     def step_batches(self, step: int) -> list[list[int]]:
         """The num_replicas micro-batches of global step `step`, element r for rank r."""
@@ -441,12 +447,14 @@ def _echoed(plan: EpochPlan, echo: int, span: int, num_replicas: int) -> EpochPl
     steps = np.arange(plan.num_steps)
     runs = [steps[first:first + span] for first in range(0, plan.num_steps, span)]
     order = np.concatenate([np.tile(run, echo) for run in runs] + [np.empty(0, dtype=np.int64)])
-    echoes = np.concatenate([np.arange(len(run) * echo) >= len(run) for run in runs] + [np.empty(0, dtype=bool)])
+    rounds = np.concatenate([np.arange(len(run) * echo) // len(run) for run in runs] + [np.empty(0, dtype=np.int64)])
+    sources = np.arange(len(order)) - rounds * np.concatenate([np.full(len(run) * echo, len(run)) for run in runs]
+                                                               + [np.empty(0, dtype=np.int64)])
     starts, ends = plan.bounds[order * num_replicas], plan.bounds[(order + 1) * num_replicas]
     gather = np.concatenate([np.arange(a, b) for a, b in zip(starts, ends)] + [np.empty(0, dtype=np.int64)])
     sizes = np.diff(plan.bounds).reshape(-1, num_replicas)[order].ravel()
     return EpochPlan(samples=plan.samples[gather], bounds=np.concatenate([[0], np.cumsum(sizes)]),
-                     buckets=plan.buckets[order], echoes=echoes)
+                     buckets=plan.buckets[order], sources=sources, rounds=rounds)
 
 
 # ---------------------------------------------------------------------- validation

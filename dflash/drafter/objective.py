@@ -37,11 +37,15 @@ def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
 
 
 def sample_anchors(
-    loss_mask: torch.Tensor, max_anchors: int, block_size: int, generator: torch.Generator, stride: bool = False
+    loss_mask: torch.Tensor, max_anchors: int, block_size: int, generator: torch.Generator, stride: bool = False,
+    round: int = 0,
 ) -> BlockLayout:
     """Up to `max_anchors` anchors per sequence, uniformly without replacement among the
     candidates, sorted. Padding blocks (anchor 0, valid False) fill shorter rows. `stride`: only
-    candidates B apart from each row's first one (consecutive, non-overlapping blocks)."""
+    candidates B apart from each row's first one (consecutive, non-overlapping blocks). The
+    generator puts each row's candidates in a random order and round 0 takes its first
+    max_anchors; round k (an echo of the micro-batch, --reuse-features) the next max_anchors
+    along the same order, wrapping around once a row's candidates are used up."""
     candidates = anchor_candidates(loss_mask)
     if stride:
         first = candidates.float().argmax(dim=1, keepdim=True)
@@ -49,11 +53,14 @@ def sample_anchors(
         candidates = candidates & (offset % block_size == 0)
     scores = torch.rand(candidates.shape, generator=generator).to(candidates.device)
     scores = scores.masked_fill(~candidates, -1.0)
-    count = int(candidates.sum(dim=1).clamp(max=max_anchors).max().item())
-    count = max(count, 1)
-    top = scores.topk(count, dim=1)
-    valid = top.values >= 0
-    anchors = torch.where(valid, top.indices, torch.zeros_like(top.indices))
+    available = candidates.sum(dim=1, keepdim=True)  # [b, 1]
+    taken = available.clamp(max=max_anchors)
+    count = max(int(taken.max().item()), 1)
+    ranked = scores.argsort(dim=1, descending=True)  # a row's candidates first, in random order
+    slot = torch.arange(count, device=candidates.device)[None]
+    along = (round * max_anchors + slot) % available.clamp(min=1)
+    valid = slot < taken
+    anchors = torch.where(valid, ranked.gather(1, along), torch.zeros_like(along))
     # Sort real anchors ascending; padding (pushed to the end with a large key) keeps anchor 0.
     order = torch.where(valid, anchors, torch.full_like(anchors, loss_mask.shape[1])).argsort(dim=1)
     return BlockLayout(

@@ -245,7 +245,7 @@ def train_steps(ctx: RankContext, run: DrafterRun, report: RunReport, source: Fe
         before, stepped, whole_skip = (run.engine.global_steps, run.engine.skipped_steps), False, False
         blocks, denominators, per_micro = plan_window(ctx, run, window, clock)
         skipped: list[bool] = []
-        for (epoch, batch_step, indices, batch), these in zip(window, blocks):
+        for (epoch, batch_step, indices, batch, _), these in zip(window, blocks):
             out = micro_batch_loss(ctx, run, batch, these, denominators)
             clock.mark("drafter_forward")
             skipped.append(run.guard.should_skip(out.mean_loss, track=batch is not None))
@@ -326,14 +326,15 @@ def count_step(run: DrafterRun, tally: StepTally, before: tuple[int, int], guard
 
 
 def epoch_batches(ctx: RankContext, run: DrafterRun, source: FeatureSource, clock: PhaseClock):
-    """(epoch, step in the epoch, sample indices, batch) for this rank until the run is done;
-    batch is None where this rank got no samples at that step."""
+    """(epoch, step in the epoch, sample indices, batch, anchor draw) for this rank until the run
+    is done; batch is None where this rank got no samples at that step; the anchor draw is the
+    sampler's (the step whose anchor order it takes, its round along it)."""
     for epoch in range(run.start_epoch, ctx.config.train.epochs):
         if run.finished:  # a run resumed from its final checkpoint trains no further step
             return
         run.sampler.set_epoch(epoch)
         for batch_step, indices, batch in source.batches(run.sampler.rank_batches(run.drafter_rank), clock):
-            yield epoch, batch_step, indices, batch
+            yield epoch, batch_step, indices, batch, run.sampler.anchor_draw(batch_step)
             if run.finished:  # before the source fetches (in split placement, requests) another batch
                 return
 
@@ -358,12 +359,13 @@ def plan_window(ctx: RankContext, run: DrafterRun, window: list, clock: PhaseClo
     one all-reduce for both), which take a skipped micro-batch out of them again."""
     blocks = []
     local = torch.zeros(len(window), 2, dtype=torch.float64, device=ctx.ranks.device)
-    for n, (epoch, batch_step, _, batch) in enumerate(window):
+    for n, (epoch, _, _, batch, (draw_step, draw_round)) in enumerate(window):
         if batch is None:  # this rank got no samples at this step: a zero step keeps lockstep
             blocks.append(None)
             continue
         these = run.step.sample_blocks(batch.input_ids, batch.loss_mask,
-                                       anchor_generator(ctx.config.train.seed, epoch, batch_step, run.drafter_rank))
+                                       anchor_generator(ctx.config.train.seed, epoch, draw_step, run.drafter_rank),
+                                       draw_round)
         counts = run.step.denominators(these)
         local[n] = torch.stack([counts.weight, counts.positions]).double()
         blocks.append(these)

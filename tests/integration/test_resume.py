@@ -41,7 +41,8 @@ def kill_after_first_checkpoint(procs: list[subprocess.Popen], victim: int, out:
 
 
 @pytest.mark.parametrize("world, placement, victim, expect", [
-    (1, ["--target-ranks", "colocated", "--max-draft-positions", "64"], 0,  # the resume omits the budget
+    # the resume omits the budget; with echo, it starts at an echo whose first step ran before the kill
+    (1, ["--target-ranks", "colocated", "--max-draft-positions", "64", "--reuse-features", "2"], 0,
      "colocated: target and drafter on all 1 ranks"),
     (2, ["--target-ranks", "1"], 0, "split: target on ranks [1], drafter on ranks [0]"),  # the only drafter rank
     (3, ["--target-ranks", "1", "--deepspeed-config", "ds_configs/zero2.json"], 1,  # one of two drafters

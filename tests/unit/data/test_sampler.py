@@ -241,8 +241,14 @@ def test_echo_repeats_each_optimizer_steps_micro_batches_right_after_them(num_re
         expected += run * echo
         marks += [False] * len(run) + [True] * (len(run) * (echo - 1))
     assert steps == expected
-    assert [echoed.is_echo(step) for step in range(len(steps))] == marks
+    draws = [echoed.anchor_draw(step) for step in range(len(steps))]
+    assert [round > 0 for _, round in draws] == marks
+    # an echo draws along its first step's anchor order: that step has the same micro-batches
+    assert all(steps[source] == steps[step] and (source == step) == (anchor_round == 0)
+               for step, (source, anchor_round) in enumerate(draws))
+    assert [draws[step][1] for step in range(len(steps)) if draws[step][0] == draws[0][0]] == list(range(echo))
     assert len(steps) == echo * len(plain)
+    assert make_sampler(lengths, num_replicas).anchor_draw(5) == (5, 0)
 
 
 @pytest.mark.parametrize("echo", [1, 2])

@@ -62,6 +62,31 @@ def test_anchor_sampling_bounds_and_reproducibility():
     assert not torch.equal(first.anchors, other.anchors), "a new epoch seed re-samples"
 
 
+def test_an_echo_round_takes_the_next_anchors_along_the_same_random_order():
+    loss_mask = torch.zeros(3, 50, dtype=torch.bool)
+    loss_mask[0, 10:30] = True  # 19 candidates
+    loss_mask[1, 5:8] = True  # 2 candidates: fewer than a round
+    loss_mask[2, 0:45] = True  # 44 candidates
+
+    def chosen(round):
+        layout = sample_anchors(loss_mask, 8, 4, torch.Generator().manual_seed(3), round=round)
+        return [set(layout.anchors[row][layout.valid[row]].tolist()) for row in range(3)]
+
+    rounds = [chosen(k) for k in range(3)]
+    default = sample_anchors(loss_mask, 8, 4, torch.Generator().manual_seed(3))
+    assert rounds[0] == [set(default.anchors[row][default.valid[row]].tolist()) for row in range(3)]
+    candidates = anchor_candidates(loss_mask)
+    for row, count in enumerate(candidates.sum(1).tolist()):
+        sizes = [len(r[row]) for r in rounds]
+        assert sizes == [min(8, count)] * 3
+    # 19 candidates: rounds 0 and 1 are disjoint, round 2 holds the 3 left and wraps to round 0's first 5
+    assert not rounds[0][0] & rounds[1][0]
+    assert rounds[0][0] | rounds[1][0] | rounds[2][0] == set(candidates[0].nonzero()[:, 0].tolist())
+    assert len(rounds[2][0] & rounds[0][0]) == 5
+    assert rounds[0][1] == rounds[1][1] == rounds[2][1]  # every candidate in every round
+    assert not (rounds[0][2] & rounds[1][2]) and not (rounds[1][2] & rounds[2][2]) and not (rounds[0][2] & rounds[2][2])
+
+
 def test_loss_is_the_weight_normalised_cross_entropy():
     torch.manual_seed(0)
     b, s, bs, d, v = 1, 12, 4, 8, 11

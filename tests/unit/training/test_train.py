@@ -18,7 +18,8 @@ class Run(SimpleNamespace):
 
 def stream(run: Run, epochs: int = 2, batches_per_epoch: int = 3) -> list[tuple[int, int]]:
     ctx = SimpleNamespace(config=SimpleNamespace(train=SimpleNamespace(epochs=epochs)))
-    sampler = SimpleNamespace(set_epoch=lambda epoch: None, rank_batches=lambda rank: range(batches_per_epoch))
+    sampler = SimpleNamespace(set_epoch=lambda epoch: None, rank_batches=lambda rank: range(batches_per_epoch),
+                              anchor_draw=lambda step: (step, 0))
     fetched = []
 
     def batches(steps, clock):  # counts what was fetched: in split placement, requests to a target rank
@@ -28,7 +29,7 @@ def stream(run: Run, epochs: int = 2, batches_per_epoch: int = 3) -> list[tuple[
 
     run.sampler, run.drafter_rank = sampler, 0
     seen = []
-    for epoch, batch_step, _, _ in epoch_batches(ctx, run, SimpleNamespace(batches=batches), clock=None):
+    for epoch, batch_step, _, _, _ in epoch_batches(ctx, run, SimpleNamespace(batches=batches), clock=None):
         seen.append((epoch, batch_step))
         run.steps_done += 1
     assert len(fetched) == len(seen), "a batch was fetched that no step used"
