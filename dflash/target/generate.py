@@ -24,6 +24,7 @@ from dflash.target.frozen import FrozenTarget
 from dflash.target.memory import BatchPlan, TargetShapes, free_device_bytes, plan_batch
 from dflash.target.sampling import Sampling
 from dflash.target.static import StaticTarget, round_up
+from dflash.util.phases import PhaseClock
 
 logger = logging.getLogger(__name__)
 
@@ -141,15 +142,22 @@ class ContinuousBatch:
         self.owner = [-1] * rows  # the prompt index each row serves
         self.host_columns = np.zeros(rows, dtype=np.int64)  # self.columns, known without a read-back
         self.host_live = np.zeros(rows, dtype=np.int64)
+        # where the batch's time goes (CUDA events: nothing waits), logged when it ends
+        self.clock = PhaseClock(device)
+        self.steps, self.live_row_steps, self.prompt_tokens = 0, 0, 0
 
     @torch.no_grad()
     def run(self, prompts: dict[int, list[int]], order: list[int]) -> Iterator[tuple[list[int], list[Reply]]]:
         queue = deque(order)
-        self.fill(list(range(self.static.batch)), [queue.popleft() for _ in range(self.static.batch)], prompts)
+        first_rows = self.static.batch
+        self.fill(list(range(first_rows)), [queue.popleft() for _ in range(first_rows)], prompts)
+        self.clock.mark("prefill")
         while self.host_live.any():
             for _ in range(STOP_CHECK_EVERY):
                 self.step()
+            self.clock.mark("decode")
             slots, replies = self.collect()
+            self.clock.mark("collect")
             if slots:
                 yield [self.owner[s] for s in slots], replies
             taken = [queue.popleft() for _ in range(min(len(slots), len(queue)))]
@@ -157,8 +165,24 @@ class ContinuousBatch:
             self.release(slots[len(taken):])
             if not queue:
                 self.drop_ended_rows()
+            self.clock.mark("prefill")
+        self.log_time_split(first_rows)
+
+    def log_time_split(self, rows: int) -> None:
+        """Where this cache's time went: prefilling prompts into rows, decode steps (with their
+        CUDA-graph captures), collecting ended replies."""
+        split = self.clock.split()
+        decode = split.get("decode", 0.0)
+        logger.info("batch of %d rows x %d columns done: prefill %.1f s (%d prompt tokens, %.0f/s), decode %.1f s "
+                    "(%d steps, %.2f ms a step, %.0f live rows a step on average, graph captures included), "
+                    "collect %.1f s", rows, self.static.capacity, split.get("prefill", 0.0),
+                    self.prompt_tokens, self.prompt_tokens / max(split.get("prefill", 0.0), 1e-9), decode,
+                    self.steps, 1e3 * decode / max(self.steps, 1), self.live_row_steps / max(self.steps, 1),
+                    split.get("collect", 0.0))
 
     def step(self) -> None:
+        self.steps += 1
+        self.live_row_steps += int(self.host_live.sum())
         end = int(self.host_columns.max()) + 1
         choice = self.static.step_rows(self.ids, self.columns, end)
         self.replies.scatter_(1, self.made[:, None], choice)
@@ -175,6 +199,7 @@ class ContinuousBatch:
             return
         device = self.static.target.device
         lengths = [len(prompts[i]) for i in indices]
+        self.prompt_tokens += sum(lengths)
         for first, end, windows in prefill_chunks(lengths, self.plan.prefill_tokens, self.plan.prefill_rows):
             group = [prompts[i] for i in indices[first:end]]
             ids = torch.zeros(len(group), windows[-1][1], dtype=torch.long)

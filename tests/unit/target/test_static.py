@@ -4,6 +4,9 @@ HF's forward still computes the same numbers."""
 
 from __future__ import annotations
 
+import logging
+import re
+
 import pytest
 import torch
 
@@ -198,7 +201,7 @@ def test_a_padded_prefill_decodes_what_the_prompt_alone_does(arch, device):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_continuous_batching_refills_ended_rows_and_keeps_each_prompts_greedy_reply(device, monkeypatch):
+def test_continuous_batching_refills_ended_rows_and_keeps_each_prompts_greedy_reply(device, monkeypatch, caplog):
     """4 rows for 13 prompts: a row whose reply ended takes the next prompt while the others go
     on (rows at different columns, prefilled in chunks of 16 tokens and 2 rows), the rows left
     without a prompt leave the batch, and every reply is the prompt's own greedy reply, with the
@@ -206,6 +209,7 @@ def test_continuous_batching_refills_ended_rows_and_keeps_each_prompts_greedy_re
     import dflash.target.generate as generate
     import dflash.target.memory as memory
 
+    caplog.set_level(logging.INFO, logger="dflash.target.generate")
     monkeypatch.setattr(generate, "CAPACITY_STEP", 16)
     monkeypatch.setattr(generate, "ROW_STEP", 1)
     monkeypatch.setattr(memory, "PREFILL_TOKENS_MAX", 16)
@@ -236,6 +240,12 @@ def test_continuous_batching_refills_ended_rows_and_keeps_each_prompts_greedy_re
     assert fills[0] == (4, 0) and sum(n for n, _ in fills) == 13
     assert any(0 < n and live > 0 for n, live in fills[1:]), "a row was refilled while others were decoding"
     assert kept and kept == sorted(kept, reverse=True) and kept[-1] < 4
+    # each batch's time split: every prompt token prefilled, the steps in whole STOP_CHECK_EVERYs
+    splits = re.findall(r"batch of \d rows x \d+ columns done: prefill [\d.]+ s \((\d+) prompt tokens.*decode [\d.]+ s "
+                        r"\((\d+) steps, [\d.]+ ms a step, ([\d.]+) live rows", caplog.text)
+    assert splits, caplog.text[-2000:]
+    assert sum(int(tokens) for tokens, _, _ in splits) == sum(map(len, prompts.values()))
+    assert all(int(steps) % generate.STOP_CHECK_EVERY == 0 and 0 < float(live) <= 4 for _, steps, live in splits)
 
 
 def test_decode_attention_alternatives_compute_what_the_static_target_calls():
