@@ -54,16 +54,19 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _fill_single_process_env() -> None:
+def _fill_single_process_env() -> bool:
+    """The variables a launcher would set, for a process started without one; True if so.
+    (DeepSpeed reads them; the process group itself needs no port then: see init_distributed.)"""
     if "WORLD_SIZE" in os.environ:
-        return
+        return False
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    return True
 
 
 def init_distributed(requested_device: str, timeout_minutes: float = 10.0) -> RankInfo:
     """Join (or create) the default process group: NCCL on CUDA, gloo on CPU. Collectives
     that wait longer than the timeout raise instead of hanging."""
-    _fill_single_process_env()
+    alone = _fill_single_process_env()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = pick_device(requested_device, local_rank)
     if device.type == "cpu":
@@ -74,8 +77,11 @@ def init_distributed(requested_device: str, timeout_minutes: float = 10.0) -> Ra
     if not dist.is_initialized():
         # device_id binds each rank's NCCL communicators to its own GPU up front, instead of
         # NCCL guessing the device from the global rank (wrong when ranks are not GPU-ordered)
+        # Alone, the group's store lives in this process: a TCP store would listen on a port found
+        # free a moment before, which another process may take first (EADDRINUSE)
+        alone_store = {"store": dist.HashStore(), "rank": 0, "world_size": 1} if alone else {}
         dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes),
-                                device_id=device if device.type == "cuda" else None)
+                                device_id=device if device.type == "cuda" else None, **alone_store)
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=timeout_minutes))
     processes: list[tuple[str, int] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(processes, (pid_space(), os.getpid()))  # to tell which peer is gone, when one is

@@ -111,3 +111,32 @@ def test_the_line_names_this_rank_its_step_the_lost_rank_and_its_log(tmp_path):
     assert both.endswith("[SIGTERM: a launcher stops every rank once one has failed]")
     unknown = str(peer_lost(RuntimeError(GLOO_CLOSED), rank_info(1, {}), None, None, tmp_path))
     assert unknown.startswith("rank 1 during set-up: a peer rank is gone or silent")
+
+
+SINGLE_PROCESS_INIT = """
+import socket, sys
+import dflash.placement.distributed as distributed
+taken = socket.socket()
+taken.bind(("127.0.0.1", 0))
+taken.listen()
+port = taken.getsockname()[1]
+distributed._free_port = lambda: port  # another process took the port this one found free
+info = distributed.init_distributed("cpu", timeout_minutes=1)
+import torch.distributed as dist
+t = __import__("torch").ones(1)
+dist.all_reduce(t)
+print("ok", info.rank, info.world_size, float(t))
+distributed.shutdown()
+"""
+
+
+def test_a_process_started_without_a_launcher_needs_no_free_port():
+    """Alone, the process group's store is in memory: a port taken between the moment it was
+    found free and the group's start (a test's other runs, another job) does not stop the run."""
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT",
+                                                                "MASTER_ADDR")}
+    proc = subprocess.run([sys.executable, "-c", SINGLE_PROCESS_INIT], capture_output=True, text=True, timeout=300,
+                          env={**env, "DS_ACCELERATOR": "cpu"}, cwd=Path(__file__).resolve().parents[3])
+    assert proc.returncode == 0 and "ok 0 1 1.0" in proc.stdout, proc.stderr[-2000:]
