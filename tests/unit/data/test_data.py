@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -626,6 +627,7 @@ def test_data_tools_prepare_the_shard_the_run_reuses_and_report_stats(tmp_path, 
     shipped = len(DEMO_TRAIN_DATA.read_text().splitlines())
     assert f"{shipped} samples read, {shipped} kept" in report and "of them trained on" in report
     assert "steps per epoch with 8 drafter rank(s)" in report
+    assert re.search(r"real tokens among a micro-batch.s padded ones: \d+\.\d%", report), report
     assert "trained tokens in repetition loops" in report
     manifest = (out / "data" / "train" / "manifest.json").read_text()
     assert data_main(["prepare", "--output-dir", str(out)]) == 0  # same flags: reused as is

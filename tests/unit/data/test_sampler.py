@@ -251,6 +251,49 @@ def test_echo_repeats_each_optimizer_steps_micro_batches_right_after_them(num_re
     assert make_sampler(lengths, num_replicas).anchor_draw(5) == (5, 0)
 
 
+def padded_share(lengths: np.ndarray, sampler: RankAwareBucketSampler) -> float:
+    """Real tokens over padded tokens (batch size x its longest) over an epoch's micro-batches."""
+    batches = [batch for step in epoch_steps(sampler) for batch in step if batch]
+    return sum(int(lengths[b].sum()) for b in batches) / sum(len(b) * int(lengths[b].max()) for b in batches)
+
+
+@pytest.mark.parametrize("num_replicas", [1, 3])
+def test_grouping_by_length_keeps_every_sample_once_in_budget_with_far_less_padding(num_replicas):
+    import dflash.data.sampler as sampler_module
+
+    rng = np.random.default_rng(5)
+    lengths = rng.integers(1, MAX_TOKENS + 1, 3000)
+    wide, budget = [0, 128], 4096  # wide buckets, many samples a micro-batch: random ones pad a lot
+
+    def make(**kwargs):
+        return RankAwareBucketSampler(lengths, wide, budget, num_replicas, 0, **kwargs)
+
+    plain, grouped = make(), make(group_by_length=True)
+    for sampler in (plain, grouped):
+        used = [i for step in epoch_steps(sampler) for batch in step for i in batch]
+        assert sorted(used) == list(range(len(lengths)))
+        assert all(padded(lengths, batch) <= budget for step in epoch_steps(sampler) for batch in step)
+        assert all(len({int(lengths[i]) >= 128 for batch in step for i in batch}) <= 1
+                   for step in epoch_steps(sampler))
+    assert padded_share(lengths, plain) < 0.85 < 0.95 < padded_share(lengths, grouped)
+    assert grouped.steps_per_epoch() < plain.steps_per_epoch()
+    # the micro-batches are shuffled once cut: a chunk's longest ones do not all come first
+    firsts = [int(lengths[step[0]].max()) for step in epoch_steps(grouped)[:10] if step[0]]
+    assert firsts != sorted(firsts, reverse=True)
+    assert sampler_module.GROUP_CHUNK < 3000, "the test needs several chunks"
+    # reproducible from (seed, epoch); another epoch groups other samples together
+    again = make(group_by_length=True)
+    assert epoch_steps(again) == epoch_steps(grouped)
+    again.set_epoch(1)
+    assert epoch_steps(again) != epoch_steps(grouped)
+
+
+def test_a_resume_that_changes_the_grouping_is_refused_by_name():
+    lengths = skewed_lengths(14)
+    with pytest.raises(DataError, match="group_by_length"):
+        make_sampler(lengths, 2, group_by_length=True).load_state_dict(make_sampler(lengths, 2).state_dict())
+
+
 @pytest.mark.parametrize("echo", [1, 2])
 def test_a_resume_that_changes_the_echo_is_refused_by_name(echo):
     lengths = skewed_lengths(12)
