@@ -65,7 +65,7 @@ class DataArgs:
     max_bad_fraction: float = field(default=0.01, metadata={"help": "with skip: more bad samples than this fraction stops the run"})
     bucket_boundaries: list[int] = field(default_factory=lambda: list(DEFAULT_BUCKETS))
     max_tokens: int | None = field(default=None, metadata={"help": "padded tokens per micro-batch (recipe 8192, demo 1280)"})
-    group_by_length: bool = field(default=True, metadata={"help": "micro-batches of samples of about one length: a bucket's shuffled samples are sorted by length in chunks of 1,024 before they are cut, and the micro-batches shuffled (on the Qwen2.5-Coder-0.5B regeneration 98% of the padded tokens are real with it, 74% without)"})
+    group_by_length: bool = field(default=True, metadata={"help": "micro-batches of samples of about one length: a bucket's shuffled samples are sorted by length in chunks of 1,024 before they are cut, and the micro-batches shuffled (on the demo data 99%% of the padded tokens are real with it, 63%% without)"})
     prepare_workers: int = field(default=0, metadata={"help": "processes tokenizing the data (0: the usable cores, up to 16, for files of 8 MB and more, else 1)"})
     cache_target_features: bool | None = field(default=None, metadata={
         "help": "keep each sample's target features after its first epoch, so later epochs skip the target's forward; memory: every token's features (recipe off, demo on)"})
