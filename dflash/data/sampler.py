@@ -4,8 +4,8 @@ Each epoch, seeded by (seed, epoch):
   1. samples go to length buckets and are shuffled inside each bucket;
   2. with group_by_length, the bucket's shuffled samples are sorted by length in
      chunks of GROUP_CHUNK, so that a micro-batch holds samples of about one length
-     (on the Qwen2.5-Coder-0.5B regeneration, 74% of the padded tokens were real
-     without it, 98% with it), and its micro-batches are shuffled once cut;
+     (on 27,274 Qwen2.5-Coder-0.5B replies, 72% of the padded tokens were real
+     without it, 97% with it), and its micro-batches are shuffled once cut;
   2b. each bucket is cut greedily into micro-batches whose padded size
      (batch size x longest length) stays within max_tokens and, when given, whose
      padded draft positions (batch size x most draft positions of a sample: anchors
