@@ -87,7 +87,7 @@ def test_sigkill_and_resume_reproduces_the_uninterrupted_run(tiny_setup, tmp_pat
 
 
 def test_a_resumed_run_skips_exactly_as_the_uninterrupted_one(tiny_setup, tmp_path):
-    """The spike guard's window is in the checkpoint: a run resumed from step 30, with a skip
+    """The spike guard's window is in the checkpoint: a run resumed from step 25, with a skip
     before it inside the window, skips the same micro-batches after it and trains the same losses.
     (A guard that started afresh would warm up again for 20 steps and let every spike through.)
     The tiny run's losses differ by under 1% from step to step, so a spike factor of 1.002 makes
@@ -95,19 +95,19 @@ def test_a_resumed_run_skips_exactly_as_the_uninterrupted_one(tiny_setup, tmp_pa
     import shutil
 
     # at the peak learning rate from step 2 (no 20-step warmup) its losses wobble enough to spike
-    args = tiny_args(tiny_setup, tmp_path / "straight", "--spike-factor", "1.002", "--save-every", "30",
+    args = tiny_args(tiny_setup, tmp_path / "straight", "--spike-factor", "1.002", "--save-every", "25",
                      "--min-warmup-steps", "0")
     args[args.index("--max-steps") + 1] = "40"
     proc = run_trainer(args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     straight = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
     skips = {r["step"]: r["skipped_micro_batches"] for r in straight}
-    assert skips[30] >= 1 and skips[40] > skips[30], f"skips before and after step 30: {skips}"
+    assert skips[25] >= 1 and skips[40] > skips[25], f"skips before and after step 25: {skips}"
     shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
     out = args.index("--output-dir") + 1
     proc = run_trainer([*args[:out], str(tmp_path / "resumed"), *args[out + 1:], "--resume"])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "at step 30" in proc.stderr
+    assert "at step 25" in proc.stderr
     resumed = [json.loads(line) for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["loss"], r["skipped_micro_batches"]) for r in resumed] == [
         (r["step"], r["loss"], r["skipped_micro_batches"]) for r in straight]
@@ -124,7 +124,7 @@ def test_resume_on_another_number_of_drafter_ranks(tmp_path, before, after):
     from dflash.config import TrainArgs
     from dflash.training.schedules import LRSchedule
 
-    # the demo drafter's loss is near its plateau (~2.1, from 4.1) by step 5: a checkpoint at 6 and
+    # the demo drafter's loss is on its plateau (~2.05, from 4.2) by step 5: a checkpoint at 6 and
     # the 3 steps after the resume that the no-jump check reads are all that is trained
     steps, out = 9, tmp_path / "run"
     args = ["--output-dir", str(out), "--max-steps", str(steps), "--save-every", "6", "--log-every", "1",
@@ -147,7 +147,7 @@ def test_resume_on_another_number_of_drafter_ranks(tmp_path, before, after):
     # the trained state came along: the steps after the resume keep the progress made before it
     first, last_before = records[1]["loss"], records[start]["loss"]
     after_resume = [records[step]["loss"] for step in range(start + 1, start + 4)]
-    assert first - last_before > 1.5, "the run must have learned before the kill"
+    assert first - last_before > 2.0, "the run must have learned before the kill"
     assert max(after_resume) < last_before + 0.2 * (first - last_before), (first, last_before, after_resume)
     # the universal copy holds exactly the weights the sharded checkpoint saved
     universal = checkpoint.parent / ".universal" / checkpoint.name
