@@ -474,12 +474,15 @@ def _echoed(plan: EpochPlan, echo: int, span: int, num_replicas: int) -> EpochPl
     """The plan with each run of `span` steps following itself `echo` times."""
     if echo == 1:
         return plan
-    steps = np.arange(plan.num_steps)
-    runs = [steps[first:first + span] for first in range(0, plan.num_steps, span)]
-    order = np.concatenate([np.tile(run, echo) for run in runs] + [np.empty(0, dtype=np.int64)])
-    rounds = np.concatenate([np.arange(len(run) * echo) // len(run) for run in runs] + [np.empty(0, dtype=np.int64)])
-    sources = np.arange(len(order)) - rounds * np.concatenate([np.full(len(run) * echo, len(run)) for run in runs]
-                                                               + [np.empty(0, dtype=np.int64)])
+    order, rounds, sources = [], [], []  # per new step: the old step it is, its round, its round 0's new step
+    for first in range(0, plan.num_steps, span):
+        run = range(first, min(first + span, plan.num_steps))
+        start = len(order)
+        for k in range(echo):
+            order += run
+            rounds += [k] * len(run)
+            sources += range(start, start + len(run))
+    order, rounds, sources = (np.asarray(a, dtype=np.int64) for a in (order, rounds, sources))
     starts, ends = plan.bounds[order * num_replicas], plan.bounds[(order + 1) * num_replicas]
     gather = np.concatenate([np.arange(a, b) for a, b in zip(starts, ends)] + [np.empty(0, dtype=np.int64)])
     sizes = np.diff(plan.bounds).reshape(-1, num_replicas)[order].ravel()

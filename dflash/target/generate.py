@@ -169,8 +169,8 @@ class ContinuousBatch:
         self.log_time_split(first_rows)
 
     def log_time_split(self, rows: int) -> None:
-        """Where this cache's time went: prefilling prompts into rows, decode steps (with their
-        CUDA-graph captures), collecting ended replies."""
+        """Where this cache's time went: prefilling prompts into rows (and shrinking the batch as
+        it drains), decode steps (with their CUDA-graph captures), collecting ended replies."""
         split = self.clock.split()
         decode = split.get("decode", 0.0)
         logger.info("batch of %d rows x %d columns done: prefill %.1f s (%d prompt tokens, %.0f/s), decode %.1f s "
