@@ -69,7 +69,7 @@ class DataArgs:
     prepare_workers: int = field(default=0, metadata={"help": "processes tokenizing the data (0: the usable cores, up to 16, for files of 8 MB and more, else 1)"})
     cache_target_features: bool | None = field(default=None, metadata={
         "help": "keep each sample's target features after its first epoch, so later epochs skip the target's forward; memory: every token's features (recipe off, demo on)"})
-    reuse_features: int = field(default=1, metadata={"help": "N > 1: each micro-batch's target features serve N optimizer steps in a row, echo k taking the next --max-anchors anchors along the first step's random order (data echoing): the target runs once per N steps and an epoch takes N times the steps; pays where the target's forward is a large share of a step (the training log's FLOP model gives it)"})
+    reuse_features: int = field(default=1, metadata={"help": "N > 1: each micro-batch's target features serve N optimizer steps in a row, echo k taking the next --max-anchors anchors along the first step's random order (data echoing): the target runs once per N steps and an epoch takes N times the steps; can pay only where the target's forward is a large share of a step (the training log's FLOP model gives it); on Qwen2.5-Coder-0.5B N=2 lost held-out tau at equal GPU time (BENCHMARKS.md)"})
     max_draft_positions: int | None = field(default=None, metadata={"help": "padded draft positions (anchors x B) per micro-batch; default: from the memory model on a GPU, no limit on CPU; 0: no limit"})
 
 
