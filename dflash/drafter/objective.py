@@ -38,12 +38,12 @@ def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
 
 def sample_anchors(
     loss_mask: torch.Tensor, max_anchors: int, block_size: int, generator: torch.Generator, stride: bool = False,
-    round: int = 0,
+    echo_round: int = 0,
 ) -> BlockLayout:
     """Up to `max_anchors` anchors per sequence, uniformly without replacement among the
     candidates, sorted. Padding blocks (anchor 0, valid False) fill shorter rows. `stride`: only
     candidates B apart from each row's first one (consecutive, non-overlapping blocks). The
-    generator puts each row's candidates in a random order and round 0 takes its first
+    generator puts each row's candidates in a random order and echo_round 0 takes its first
     max_anchors; round k (an echo of the micro-batch, --reuse-features) the next max_anchors
     along the same order, wrapping around once a row's candidates are used up."""
     candidates = anchor_candidates(loss_mask)
@@ -58,7 +58,7 @@ def sample_anchors(
     count = max(int(taken.max().item()), 1)
     ranked = scores.argsort(dim=1, descending=True)  # a row's candidates first, in random order
     slot = torch.arange(count, device=candidates.device)[None]
-    along = (round * max_anchors + slot) % available.clamp(min=1)
+    along = (echo_round * max_anchors + slot) % available.clamp(min=1)
     valid = slot < taken
     anchors = torch.where(valid, ranked.gather(1, along), torch.zeros_like(along))
     # Sort real anchors ascending; padding (pushed to the end with a large key) keeps anchor 0.

@@ -53,10 +53,10 @@ class DrafterStep:
         return self.lm_head.restrict(build_blocks(input_ids, loss_mask, layout, self.drafter.mask_token_id))
 
     def sample_blocks(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, generator: torch.Generator,
-                      round: int = 0) -> Blocks:
-        """`round`: the echo of the micro-batch (sample_anchors), 0 for its first step."""
+                      echo_round: int = 0) -> Blocks:
+        """`echo_round`: the echo of the micro-batch (sample_anchors), 0 for its first step."""
         layout = sample_anchors(loss_mask, self.settings.max_anchors, self.drafter.block_size, generator,
-                                stride=self.settings.stride_anchors, round=round)
+                                stride=self.settings.stride_anchors, echo_round=echo_round)
         return self.make_blocks(input_ids, loss_mask, layout)
 
     def hidden(self, blocks: Blocks, features: torch.Tensor) -> torch.Tensor:

@@ -68,8 +68,8 @@ def test_an_echo_round_takes_the_next_anchors_along_the_same_random_order():
     loss_mask[1, 5:8] = True  # 2 candidates: fewer than a round
     loss_mask[2, 0:45] = True  # 44 candidates
 
-    def chosen(round):
-        layout = sample_anchors(loss_mask, 8, 4, torch.Generator().manual_seed(3), round=round)
+    def chosen(echo_round):
+        layout = sample_anchors(loss_mask, 8, 4, torch.Generator().manual_seed(3), echo_round=echo_round)
         return [set(layout.anchors[row][layout.valid[row]].tolist()) for row in range(3)]
 
     rounds = [chosen(k) for k in range(3)]
