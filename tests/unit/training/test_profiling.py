@@ -1,0 +1,48 @@
+"""The profile's summary from a Chrome trace: GPU time by kernel family, and where the GPU waited."""
+
+import pytest
+
+from dflash.training.profiling import GAP_FLOOR_US, gpu_timeline, summarize
+
+
+def kernel(name, ts, dur, cat="kernel"):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": 7}
+
+
+def two_steps_trace():
+    """Two steps of: a GEMM, an Adam kernel, a copy on another stream inside it, then a gap before
+    the next step's GEMM; a 5 us gap between GEMM and Adam stays under the floor. CPU ops and
+    runtime calls are no GPU work."""
+    events = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500},
+              {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 1, "dur": 3}]
+    for step in range(2):
+        t = step * 1000.0
+        events += [kernel("nvjet_gemm", t, 300),
+                   kernel("multi_tensor_apply_kernel<adam>", t + 305, 100),
+                   kernel("Memcpy DtoD", t + 350, 100, cat="gpu_memcpy")]
+    return {"traceEvents": events[::-1]}  # out of order, as a trace may be
+
+
+def test_the_timeline_holds_only_gpu_work_in_start_order():
+    work = gpu_timeline(two_steps_trace())
+    assert [name for _, _, name in work] == ["nvjet_gemm", "multi_tensor_apply_kernel<adam>", "Memcpy DtoD"] * 2
+    assert work[1] == (305.0, 405.0, "multi_tensor_apply_kernel<adam>")
+
+
+def test_the_summary_finds_the_step_boundary_gap_and_the_families():
+    summary = summarize(gpu_timeline(two_steps_trace()), wall_s=0.002, steps=2)
+    gaps = summary["host_gaps"]
+    # the GPU is idle 5 us (GEMM -> Adam) in each step and 1000 - 450 = 550 us between the steps
+    assert gaps["span_ms_per_step"] == pytest.approx(1450 / 2 / 1e3)
+    assert gaps["idle_ms_per_step"] == pytest.approx((5 + 550 + 5) / 2 / 1e3)
+    assert gaps["largest"] == [{"after": "Memcpy DtoD", "before": "nvjet_gemm", "ms_per_step": 0.275,
+                                "gaps_per_step": 0.5}]
+    assert 5 < GAP_FLOOR_US < 550
+    assert summary["share_of_gpu_time"] == {"matmul": 0.6, "optimizer": 0.2, "copy": 0.2}
+    assert summary["gpu_busy_s_per_step"] == pytest.approx(500e-6)
+    assert summary["gpu_busy_fraction"] == pytest.approx(1000e-6 / 0.002)
+
+
+def test_an_empty_window_has_no_gaps():
+    summary = summarize([], wall_s=0.1, steps=3)
+    assert summary["host_gaps"] == {"span_ms_per_step": 0.0, "idle_ms_per_step": 0.0, "largest": []}
