@@ -46,3 +46,28 @@ def test_the_summary_finds_the_step_boundary_gap_and_the_families():
 def test_an_empty_window_has_no_gaps():
     summary = summarize([], wall_s=0.1, steps=3)
     assert summary["host_gaps"] == {"span_ms_per_step": 0.0, "idle_ms_per_step": 0.0, "largest": []}
+
+
+@pytest.mark.gpu
+def test_a_cuda_profile_window_writes_a_summary_with_the_kernels_and_the_host_gap(tmp_path):
+    """On a GPU: the profiler (GPU activity alone) sees the matmuls of each step, and a host sleep
+    between steps shows as an idle gap after the step's last kernel."""
+    import json
+    import time
+
+    import torch
+
+    from dflash.training.profiling import StepProfiler
+
+    assert torch.cuda.is_available(), "the gpu tests need a CUDA device"
+    a = torch.randn(2048, 2048, device="cuda")
+    profiler = StepProfiler(tmp_path, start=1, steps=2, device=torch.device("cuda"), enabled=True)
+    for step in range(1, 4):
+        profiler.step_done(step)
+        for _ in range(4):
+            a = torch.tanh(a @ a)
+        time.sleep(0.02)  # the host keeps the GPU waiting
+    summary = json.loads((tmp_path / "profile" / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["share_of_gpu_time"].get("matmul", 0) > 0.3
+    gaps = summary["host_gaps"]
+    assert gaps["idle_ms_per_step"] > 5 and gaps["largest"], gaps
