@@ -94,7 +94,8 @@ def summarize(work: list[tuple[float, float, str]], wall_s: float, steps: int) -
     return {
         "steps": steps, "wall_s_per_step": wall_s / steps, "gpu_busy_s_per_step": busy / steps,
         "gpu_busy_fraction": busy / wall_s if wall_s else 0.0,
-        "share_of_gpu_time": {k: round(v / busy, 4) for k, v in sorted(by_family.items(), key=lambda x: -x[1])},
+        "share_of_gpu_time": {k: round(v / busy, 4) if busy else 0.0
+                              for k, v in sorted(by_family.items(), key=lambda x: -x[1])},
         "top_kernels_ms_per_step": {k[:120]: round(v / steps * 1e3, 2)
                                     for k, v in sorted(top.items(), key=lambda x: -x[1])[:25]},
         "host_gaps": idle_gaps(work, steps),

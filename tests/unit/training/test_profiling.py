@@ -43,9 +43,10 @@ def test_the_summary_finds_the_step_boundary_gap_and_the_families():
     assert summary["gpu_busy_fraction"] == pytest.approx(1000e-6 / 0.002)
 
 
-def test_an_empty_window_has_no_gaps():
+def test_an_empty_window_has_no_gaps_and_instant_work_no_share():
     summary = summarize([], wall_s=0.1, steps=3)
     assert summary["host_gaps"] == {"span_ms_per_step": 0.0, "idle_ms_per_step": 0.0, "largest": []}
+    assert summarize([(5.0, 5.0, "memset")], wall_s=0.1, steps=1)["share_of_gpu_time"] == {"copy": 0.0}
 
 
 @pytest.mark.gpu
