@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from dflash.data.chat_formats import load_chat_jsonl
-from dflash.data.tokenization import load_tokenizer, prompt_ids
+from dflash.data.tokenization import load_tokenizer, many_prompt_ids
 from dflash.target.frozen import FrozenTarget
 from dflash.target.generate import generate_batches, stop_token_ids
 from dflash.target.gguf import resolve_target
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompts:
         tokenizer = load_tokenizer(folder)
         conversations = load_chat_jsonl(args.prompts, require_reply=False)[: args.limit or None]
-        prompts = {i: prompt_ids(tokenizer, messages) for i, messages in enumerate(conversations)}
+        prompts = dict(enumerate(many_prompt_ids(tokenizer, conversations)))
         result = time_engine(target, prompts, args.max_new_tokens, stop_token_ids(target.model.generation_config, tokenizer),
                              args.batch_tokens, args.compile_target)
         logger.info("%d prompts (%d tokens): %d new tokens in %.1f s, %d new tokens/s, %.1f conversations/s "

@@ -41,7 +41,7 @@ from transformers import GenerationConfig
 from dflash.data.chat_formats import DataError, Messages, load_chat_jsonl
 from dflash.data.partials import PartialSink, partial_path, read_partials, write_output
 from dflash.data.thinking import THINKING_FLAG_VALUES, THINKING_HELP, resolve_thinking, thinking_kwargs
-from dflash.data.tokenization import load_tokenizer, prompt_ids, prompt_messages
+from dflash.data.tokenization import load_tokenizer, many_prompt_ids, prompt_messages
 from dflash.data.tokenizer_match import check_tokenizer_matches_target
 from dflash.target.frozen import FrozenTarget, TargetError, load_target_config
 from dflash.target.generate import generate_batches, stop_token_ids
@@ -287,7 +287,8 @@ def served_target(args: RegenerateArgs, group: RankGroup) -> RegenerateArgs:
 def generate_share(args: RegenerateArgs, tokenizer, conversations: list[Messages], share: list[int],
                    sink: PartialSink) -> tuple[int, int]:
     """This rank's replies, appended to its partial file batch by batch: (replies, new tokens)."""
-    prompts = {i: prompt_ids(tokenizer, conversations[i], **thinking_kwargs(args.thinking)) for i in share}
+    prompts = dict(zip(share, many_prompt_ids(tokenizer, [conversations[i] for i in share],
+                                              **thinking_kwargs(args.thinking))))
     engine = pick_engine(args)
     logger.info("generating with %s", engine.__name__)
     started, new_tokens, finished = time.perf_counter(), 0, 0

@@ -153,7 +153,9 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         """Whether a save is due after optimizer step `step`, as every drafter rank agrees."""
         due = save_due(step, self.every, self.minutes, self._clock() - self._last_save)
-        if self.minutes <= 0:  # steps alone: the same on every rank, no need to agree
+        # steps alone, or one rank: nothing to agree on, and no device flag whose read would stall
+        # the step loop until the GPU drains
+        if self.minutes <= 0 or self.num_drafters == 1:
             return due
         flag = torch.tensor([1.0 if due else 0.0], device=next(self.engine.module.parameters()).device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)

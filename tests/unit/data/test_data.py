@@ -489,6 +489,20 @@ def test_prompt_ids_stop_at_the_generation_prompt():
     assert list(full[: len(ids)]) == ids and not mask[: len(ids)].any() and mask[len(ids)]
 
 
+def test_prompts_tokenized_in_one_batch_equal_those_tokenized_one_by_one():
+    from dflash.data.tokenization import many_prompt_ids, prompt_ids
+
+    tok = make_tiny_tokenizer()
+    conversations = [[{"role": "user", "content": "hello there"}],
+                     [{"role": "user", "content": "a longer question, with more words in it"},
+                      {"role": "assistant", "content": "hi back"}, {"role": "user", "content": "and?"}],
+                     [{"role": "system", "content": "be brief"}, {"role": "user", "content": "x"}]]
+    batched = many_prompt_ids(tok, conversations)
+    assert batched == [prompt_ids(tok, m) for m in conversations]
+    assert len({len(ids) for ids in batched}) == 3  # unpadded: each prompt keeps its own length
+    assert many_prompt_ids(tok, []) == []
+
+
 # ---------------------------------------------------------------------------
 # Bad samples: skipped, counted and listed, within a bound
 
@@ -526,8 +540,8 @@ def test_a_reply_whose_first_token_merges_with_the_prompt_is_located_by_characte
     demo = tokenization.load_tokenizer(DEMO_TARGET_DIR)
     messages = [{"role": "user", "content": "Continue this Python code:\nif x:"},
                 {"role": "assistant", "content": "\n    return x + 1\n    pass"}]
-    start = tokenization._render_ids(demo, messages[:1], add_generation_prompt=True)
-    turn = tokenization._render_ids(demo, messages, add_generation_prompt=False)
+    start = tokenization.prompt_ids(demo, messages[:1])
+    turn = demo(tokenization._render_text(demo, messages, add_generation_prompt=False), add_special_tokens=False)["input_ids"]
     assert turn[:len(start)] != start  # the case a token-prefix rule must reject
     ids, mask = tokenize_conversation(demo, messages)
     reply = demo.decode(ids[mask])
