@@ -75,7 +75,8 @@ def compute_features(target: FrozenTarget, dataset: TokenDataset, indices: list[
                      cache: FeatureCache | None = None) -> FeatureBatch:
     """Collate `indices` and run the frozen target over them (or take them from `cache`)."""
     batch = collate(dataset, indices, pad_id)
-    input_ids = batch["input_ids"].to(target.device)
+    # both copies before the target's forward: a copy queued behind it would wait for all of it
+    input_ids, loss_mask = batch["input_ids"].to(target.device), batch["loss_mask"].to(target.device)
     if clock is not None:
         clock.mark("data")
     cached = cache.lookup(indices, input_ids.shape[1]) if cache is not None else None
@@ -87,7 +88,7 @@ def compute_features(target: FrozenTarget, dataset: TokenDataset, indices: list[
             cache.store(indices, batch["lengths"], *cached)
     if clock is not None:
         clock.mark("target_forward")
-    return FeatureBatch(input_ids, batch["loss_mask"].to(target.device), *cached, reused=reused)
+    return FeatureBatch(input_ids, loss_mask, *cached, reused=reused)
 
 
 class LocalFeatures:

@@ -126,9 +126,9 @@ def save_due(step: int, every: int, minutes: float, seconds_since_save: float) -
 
 
 class Checkpointer:
-    """An asynchronous save of the drafter ranks whenever one is due (maybe_save): every `every`
-    optimizer steps, or every `minutes` of training. Collective over the drafter group: every
-    drafter rank calls maybe_save at the same steps, and with a time set they agree on whether a
+    """An asynchronous save of the drafter ranks whenever one is due: every `every` optimizer
+    steps, or every `minutes` of training. Collective over the drafter group: every drafter rank
+    asks `due` at the same steps, and with a time set they agree on whether a
     save is due (the earliest clock decides), so none waits at a save the others skip. `clock`
     (seconds) is for tests."""
 
@@ -145,10 +145,6 @@ class Checkpointer:
         self._commit_lock = threading.Lock()
         self._cancelled = False
         self.pauses_s: list[float] = []  # how long each save held the step loop
-
-    def maybe_save(self, step: int, trainer_state: dict) -> None:
-        if self.due(step):
-            self.save(step, trainer_state)
 
     def due(self, step: int) -> bool:
         """Whether a save is due after optimizer step `step`, as every drafter rank agrees."""

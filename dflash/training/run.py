@@ -46,7 +46,7 @@ from dflash.training.peer_loss import peer_losses_reported
 from dflash.training.run_report import RunReport, held_out_probe
 from dflash.training.schedules import feature_noise_std
 from dflash.training.shard import prepare_train_shard, train_shard_dir
-from dflash.training.spike import StepTally, gradient_scaled, weights_norm
+from dflash.training.spike import StepTally, UpdateCheck, gradient_scaled
 from dflash.util.cli import ConfigError
 from dflash.util.phases import PhaseClock
 
@@ -235,10 +235,11 @@ def train_drafter_rank(ctx: RankContext, source: FeatureSource) -> TrainResult:
 
 
 def train_steps(ctx: RankContext, run: DrafterRun, report: RunReport, source: FeatureSource) -> None:
-    """The optimizer steps of the run, from where it starts (or resumes) to its last. After each
-    step the tally judges it (skipped, or blown up) before the checkpointer may save it."""
+    """The optimizer steps of the run, from where it starts (or resumes) to its last. The tally
+    judges each step before the checkpointer may save it: skipped at once, blown up (UpdateCheck)
+    by the end of the next step, or at once where a save is due."""
     clock, tally = report.clock, run.tally
-    norm = weights_norm(run.engine.module, ctx.data_group)
+    check = UpdateCheck(run.engine.module, ctx.data_group, tally)
     if run.budget is not None:
         run.budget.start(run.engine.global_steps)
     for window in accumulation_windows(epoch_batches(ctx, run, source, clock), ctx.config.train.grad_accum):
@@ -267,15 +268,24 @@ def train_steps(ctx: RankContext, run: DrafterRun, report: RunReport, source: Fe
                 report.optimizer_step(epoch, batch_step)
             clock.mark("bookkeeping")
         count_step(run, tally, before, guard_skipped=whole_skip or all(skipped))
+        saving = False
         if stepped:
-            norm_before, norm = norm, weights_norm(run.engine.module, ctx.data_group)
-            tally.check_update(run.engine.global_steps, norm_before, norm)
-        if tally.failing:
-            run.checkpointer.wait()  # the save in flight, committed, is the newest checkpoint
-            raise tally.error(ctx.config.train.lr, latest_checkpoint(ctx.out_dir))
-        if stepped:
+            check.stepped(run.engine.global_steps)
             fit_to_budget(run)
-            run.checkpointer.maybe_save(run.engine.global_steps, run.trainer_state(epoch, batch_step))
+            saving = run.checkpointer.due(run.engine.global_steps)
+        if saving or not stepped:
+            check.settle()  # a blown-up update is never saved, nor hidden behind the skips after it
+        stop_if_failing(ctx, run)
+        if saving:
+            run.checkpointer.save(run.engine.global_steps, run.trainer_state(epoch, batch_step))
+    check.settle()
+    stop_if_failing(ctx, run)
+
+
+def stop_if_failing(ctx: RankContext, run: DrafterRun) -> None:
+    if run.tally.failing:
+        run.checkpointer.wait()  # the save in flight, committed, is the newest checkpoint
+        raise run.tally.error(ctx.config.train.lr, latest_checkpoint(ctx.out_dir))
 
 
 def fit_to_budget(run: DrafterRun) -> None:

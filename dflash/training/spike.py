@@ -103,14 +103,14 @@ def gradient_scaled(engine, factor: float) -> Iterator[None]:
         optimizer.loss_scale = before
 
 
-def weights_norm(module: torch.nn.Module, group=None) -> float:
+def weights_norm(module: torch.nn.Module, group=None) -> torch.Tensor:
     """The L2 norm of all the module's weights, the largest over `group`'s ranks (ZeRO 1/2 keep
-    the same weights on each: the max makes their verdict one); one host read."""
+    the same weights on each: the max makes their verdict one), as a [1] tensor on their device."""
     norms = torch.stack([torch.linalg.vector_norm(p.detach(), dtype=torch.float32) for p in module.parameters()])
     total = torch.linalg.vector_norm(norms).reshape(1)
     if group is not None and dist.is_initialized():
         dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
-    return float(total.item())
+    return total
 
 
 SKIP_WINDOW = 20  # optimizer steps the stop rule looks back over
@@ -196,3 +196,41 @@ class StepTally:
             f"training stopped: {seen}; trained {self.summary()} in all. Likely cause: the learning rate is too high "
             f"(--lr {lr:g}): start again with a lower --lr (and --overwrite){otherwise}. No drafter was exported. "
             f"{kept}")
+
+
+class UpdateCheck:
+    """StepTally.check_update for every optimizer step, one step late: the weights' norm after a
+    step is copied to the host without waiting and read when the next step ends, long done by
+    then, so the step loop never drains the GPU for it (the host prepares the next micro-batch
+    while the update runs). `settle` reads and checks the pending one at once: before a
+    checkpoint is saved (a blown-up update is never saved) and after the last step."""
+
+    def __init__(self, module: torch.nn.Module, group, tally: StepTally) -> None:
+        self.module, self.group, self.tally = module, group, tally
+        self.norm = float(weights_norm(module, group).item())
+        self._host: torch.Tensor | None = None  # a pinned buffer: only one norm is in flight at a time
+        self._pending: tuple[int, torch.Tensor, torch.cuda.Event | None] | None = None
+
+    def stepped(self, step: int) -> None:
+        """Optimizer step `step` updated the weights: check the one before, start on this one."""
+        self.settle()
+        norm = weights_norm(self.module, self.group)
+        done = None
+        if norm.is_cuda:
+            if self._host is None:
+                self._host = torch.empty(1, dtype=norm.dtype, pin_memory=True)
+            norm = self._host.copy_(norm, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        self._pending = (step, norm, done)
+
+    def settle(self) -> None:
+        if self._pending is None:
+            return
+        step, norm, done = self._pending
+        self._pending = None
+        if done is not None:
+            done.synchronize()
+        after = float(norm[0])
+        self.tally.check_update(step, self.norm, after)
+        self.norm = after

@@ -135,6 +135,36 @@ def test_one_update_that_blows_the_weights_up_stops_the_run_at_any_length():
     assert nan.failing
 
 
+def update_check_verdicts(device: str) -> list[bool]:
+    """UpdateCheck over three updates of a linear layer on `device`, the second of which blows its
+    weights up: whether the tally is failing after each step, then after settle."""
+    from dflash.training.spike import StepTally, UpdateCheck
+
+    layer = torch.nn.Linear(4, 4).to(device)
+    tally = StepTally()
+    check = UpdateCheck(layer, None, tally)
+    failing = []
+    for step, factor in enumerate((1.01, 1e6, 1.01), start=1):
+        with torch.no_grad():
+            layer.weight.mul_(factor)
+        check.stepped(step)
+        failing.append(tally.failing)
+    check.settle()
+    failing.append(tally.failing)
+    assert "the update of step 2 took" in tally.blown_up
+    return failing
+
+
+def test_a_blown_up_update_is_seen_by_the_end_of_the_next_step():
+    assert update_check_verdicts("cpu") == [False, False, True, True]
+
+
+@pytest.mark.gpu
+def test_a_blown_up_update_is_seen_by_the_end_of_the_next_step_on_a_gpu():
+    """The CUDA path: the norm goes to pinned host memory without waiting, read at the next step."""
+    assert update_check_verdicts("cuda") == [False, False, True, True]
+
+
 def test_at_the_end_of_a_run_mostly_skipped_steps_are_a_verdict_however_few():
     from dflash.training.spike import StepTally
 
