@@ -15,9 +15,15 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from dflash.util.runtime import allow_compiled_variants
+
+# Attention backends for the forward over micro-batches of a new shape each: cuDNN's builds an
+# execution plan for every new (batch, length) before its first kernel (in training on an H100 the
+# GPU sat idle about 25 ms before that kernel in two steps of three); flash attention plans nothing.
+SHAPE_FREE_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class TargetError(ValueError):
@@ -192,7 +198,7 @@ class FrozenTarget:
     def features(self, input_ids: torch.Tensor, with_final_hidden: bool = False) -> TargetOutputs:
         """Features of every position of right-padded `input_ids` [b, S]. Causal attention means
         real tokens never see the padding after them, so no attention mask is needed."""
-        with self._capture(stop_after_deepest=not with_final_hidden) as captured:
+        with self._capture(stop_after_deepest=not with_final_hidden) as captured, sdpa_kernel(SHAPE_FREE_SDPA):
             try:
                 out = self.decoder(input_ids=input_ids, use_cache=False)
             except _StopForward:

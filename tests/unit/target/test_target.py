@@ -3,6 +3,7 @@ safetensors, also from a sharded checkpoint such as the shipped demo target's.""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dflash.demo import DEMO_TARGET_DIR
@@ -15,3 +16,26 @@ def test_embedding_and_head_from_the_sharded_demo_target_equal_the_full_load():
     embed, head = FrozenTarget.load_embedding_and_head(str(DEMO_TARGET_DIR), torch.float32, torch.device("cpu"))
     assert torch.equal(embed.weight, full.embed_tokens.weight)
     assert torch.equal(head.weight, full.lm_head.weight)
+
+
+@pytest.mark.gpu
+def test_features_on_a_gpu_skip_cudnn_attention_and_match_the_default_backends():
+    """The training forward keeps cuDNN's attention out (it plans anew for each micro-batch shape):
+    in bf16 its features match HF's forward with the default backends, and no cuDNN attention
+    kernel runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from conftest import tiny_target
+
+    target = tiny_target("qwen3", dtype=torch.bfloat16)
+    target.model.cuda()
+    ids = torch.randint(0, target.model.config.vocab_size, (3, 200), device="cuda")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        ours = target.features(ids).features
+        torch.cuda.synchronize()
+    kernels = [event.name for event in prof.events() if event.device_type.name == "CUDA"]
+    assert kernels and not any("cudnn" in name and "sdpa" in name for name in kernels), kernels
+    with torch.no_grad():
+        hidden = target.model.model(input_ids=ids, output_hidden_states=True).hidden_states
+    default = torch.cat([hidden[i + 1] for i in target.layer_ids], dim=-1)
+    torch.testing.assert_close(ours, default, rtol=2e-2, atol=2e-2)
