@@ -77,6 +77,11 @@ class RegenerateArgs:
         "help": "auto (vllm when it is installed and a GPU is visible, else fast where it applies, else hf) | "
                 "fast (static KV cache, CUDA graphs; Llama, Mistral, Qwen2/3) | hf | vllm"})
     sampling: str = field(default="greedy", metadata={"help": "greedy | target (the target's generation_config)"})
+    temperature: float | None = field(default=None, metadata={
+        "help": "--sampling target: in place of the target's temperature (a GGUF target has none: HF's 1.0)"})
+    top_p: float | None = field(default=None, metadata={"help": "--sampling target: in place of the target's top-p"})
+    top_k: int | None = field(default=None, metadata={"help": "--sampling target: in place of the target's top-k "
+                                                              "(0: every token)"})
     thinking: str = field(default="auto", metadata={"help": THINKING_HELP})
     limit: int = field(default=0, metadata={"help": "only the first N conversations (0: all)"})
     device: str = "auto"
@@ -95,6 +100,11 @@ def check_args(args: RegenerateArgs) -> None:
         (args.engine != "vllm" or vllm_available(), "--engine vllm: vllm is not installed; pip install vllm, "
                                                     "or use --engine hf"),
         (args.sampling in ("greedy", "target"), f"--sampling {args.sampling}: use greedy or target"),
+        (args.sampling == "target" or sampling_overrides(args) == {},
+         "--temperature, --top-p and --top-k apply to sampled replies: add --sampling target"),
+        (args.temperature is None or args.temperature > 0, f"--temperature {args.temperature}: use more than 0"),
+        (args.top_p is None or 0 < args.top_p <= 1, f"--top-p {args.top_p}: use a value in (0, 1]"),
+        (args.top_k is None or args.top_k >= 0, f"--top-k {args.top_k}: use 0 (every token) or a count"),
         (args.thinking in THINKING_FLAG_VALUES, f"--thinking {args.thinking}: use {', '.join(THINKING_FLAG_VALUES)}"),
         (args.dtype in ("bfloat16", "float32"), f"--dtype {args.dtype}: use bfloat16 or float32"),
         (args.limit >= 0, f"--limit {args.limit}: use 0 (all) or a count"),
@@ -140,13 +150,19 @@ def batches_by_length(lengths: dict[int, int], max_new_tokens: int, batch_tokens
     return batches
 
 
+def sampling_overrides(args: RegenerateArgs) -> dict:
+    """The sampling settings given on the command line, by generation-config name."""
+    given = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    return {name: value for name, value in given.items() if value is not None}
+
+
 def generation_settings(model, args: RegenerateArgs, pad_id: int) -> dict:
     settings = {"max_new_tokens": args.max_new_tokens, "pad_token_id": pad_id}
     if args.sampling == "greedy":
         return {**settings, "do_sample": False, "temperature": None, "top_p": None, "top_k": None}
     config = model.generation_config
     return {**settings, "do_sample": True, "temperature": config.temperature, "top_p": config.top_p,
-            "top_k": config.top_k}
+            "top_k": config.top_k, **sampling_overrides(args)}
 
 
 def emitted_reply(row: list[int], stop_ids: set[int]) -> tuple[list[int], str]:
@@ -213,7 +229,9 @@ def fast_sampling(args: RegenerateArgs) -> Sampling | None:
     a TargetError when they use what it does not implement."""
     if args.sampling == "greedy":
         return None
-    return Sampling.of(target_generation_config(args.target))
+    config = target_generation_config(args.target)
+    config.update(**sampling_overrides(args))
+    return Sampling.of(config)
 
 
 def fast_generate(args: RegenerateArgs, tokenizer, prompts: dict[int, list[int]]):
@@ -247,6 +265,8 @@ def vllm_generate(args: RegenerateArgs, tokenizer, prompts: dict[int, list[int]]
     else:  # the target's generation_config, as vLLM reads it
         params = llm.get_default_sampling_params()
         params.max_tokens = args.max_new_tokens
+        for name, value in sampling_overrides(args).items():
+            setattr(params, name, -1 if name == "top_k" and value == 0 else value)  # vLLM's "every token"
         stop_ids |= set(params.stop_token_ids or ())
     order = sorted(prompts, key=lambda i: (-len(prompts[i]), i))
     for first in range(0, len(order), VLLM_CHUNK):

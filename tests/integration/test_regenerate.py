@@ -85,6 +85,8 @@ def test_the_fast_engine_samples_with_the_targets_settings(tmp_path, capfd):
     assert "generating with fast_generate" in capfd.readouterr().err
     assert sampled == replies(tmp_path / "b", "--sampling", "target", "--seed", "1")
     assert sampled != greedy and sampled != replies(tmp_path / "c", "--sampling", "target", "--seed", "2")
+    # the command line's settings replace the target's: top-k 1 leaves the most likely token alone
+    assert replies(tmp_path / "d", "--sampling", "target", "--seed", "1", "--top-k", "1", "--temperature", "0.7") == greedy
 
 
 def test_an_interrupted_run_resumes_and_the_output_trains(tmp_path, capfd):
@@ -111,6 +113,10 @@ def test_bad_flags_get_one_line(tmp_path, capsys):
     assert "--target" in capsys.readouterr().err
     assert regenerate_main([*argv[:1], str(DEMO_TARGET_DIR), *argv[2:], "--sampling", "hot"]) == 2
     assert "--sampling hot: use greedy or target" in capsys.readouterr().err
+    assert regenerate_main([*argv[:1], str(DEMO_TARGET_DIR), *argv[2:], "--temperature", "0.7"]) == 2
+    assert "--temperature, --top-p and --top-k apply to sampled replies: add --sampling target" in capsys.readouterr().err
+    assert regenerate_main([*argv[:1], str(DEMO_TARGET_DIR), *argv[2:], "--sampling", "target", "--top-p", "0"]) == 2
+    assert "--top-p 0.0: use a value in (0, 1]" in capsys.readouterr().err
     assert regenerate_main([*argv, "--local_rank=1"]) == 2  # the deepspeed launcher's flag is no error
     assert "--target" in capsys.readouterr().err
     good = [*argv[:1], str(DEMO_TARGET_DIR), *argv[2:4]]
