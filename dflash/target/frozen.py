@@ -110,6 +110,7 @@ class FrozenTarget:
         self.layer_ids = list(layer_ids)
         self.embed_tokens = model.get_input_embeddings()
         self.lm_head = model.get_output_embeddings()
+        self.attention_backends = SHAPE_FREE_SDPA  # features()' attention (dflash.benchmarks.target_forward)
         params = inspect.signature(model.forward).parameters
         # transformers renamed `past_key_values` to `cache` in 5.2x; accept both versions.
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -198,7 +199,7 @@ class FrozenTarget:
     def features(self, input_ids: torch.Tensor, with_final_hidden: bool = False) -> TargetOutputs:
         """Features of every position of right-padded `input_ids` [b, S]. Causal attention means
         real tokens never see the padding after them, so no attention mask is needed."""
-        with self._capture(stop_after_deepest=not with_final_hidden) as captured, sdpa_kernel(SHAPE_FREE_SDPA):
+        with self._capture(stop_after_deepest=not with_final_hidden) as captured, sdpa_kernel(self.attention_backends):
             try:
                 out = self.decoder(input_ids=input_ids, use_cache=False)
             except _StopForward:

@@ -39,3 +39,17 @@ def test_features_on_a_gpu_skip_cudnn_attention_and_match_the_default_backends()
         hidden = target.model.model(input_ids=ids, output_hidden_states=True).hidden_states
     default = torch.cat([hidden[i + 1] for i in target.layer_ids], dim=-1)
     torch.testing.assert_close(ours, default, rtol=2e-2, atol=2e-2)
+
+
+def test_the_target_forward_benchmark_times_both_backend_sets_on_new_shapes():
+    """dflash.benchmarks.target_forward on the demo target (CPU): each backend set gets its own
+    draw of micro-batch shapes, none repeated from the other's, and a timing of each forward."""
+    from dflash.benchmarks.target_forward import BACKENDS, TargetForwardArgs, main, shapes
+
+    args = TargetForwardArgs(target=str(DEMO_TARGET_DIR), max_tokens=1024, max_length=256, steps=3, warmup=1)
+    first, second = shapes(args, 0), shapes(args, 1)
+    assert len(first) == 4 and all(rows * length <= 1024 for rows, length in first) and first != second
+    results = main(["--target", str(DEMO_TARGET_DIR), "--max-tokens", "1024", "--max-length", "256",
+                    "--steps", "3", "--warmup", "1", "--dtype", "float32", "--device", "cpu"])
+    for name in BACKENDS:
+        assert results[name]["forwards"] == 3 and results[name]["tokens_per_second"] > 0

@@ -1,0 +1,93 @@
+"""The target's training forward (FrozenTarget.features) over micro-batches of a new shape each,
+as training feeds it: ms a forward and prompt tokens/s, with the attention backends it uses
+(flash, efficient, math) and with cuDNN's allowed too, which plans anew for every new shape.
+
+    python -m dflash.benchmarks.target_forward --target model.gguf --max-tokens 32768 --steps 30
+
+Each micro-batch holds max-tokens // S rows of a length S drawn between --min-length and
+--max-length (a fresh draw for each backend set, so each sees shapes it has not planned for);
+the target's MLPs and norms are compiled on a GPU as training compiles them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn.attention import SDPBackend
+
+from dflash.target.frozen import SHAPE_FREE_SDPA, FrozenTarget, default_target_layer_ids, load_target_config
+from dflash.target.gguf import resolve_target
+from dflash.util.cli import cli_parser
+from dflash.util.runtime import pick_device, setup_logging, synchronize
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = {"flash, efficient, math (training's)": SHAPE_FREE_SDPA,
+            "cuDNN first where it applies": [SDPBackend.CUDNN_ATTENTION, *SHAPE_FREE_SDPA]}
+
+
+@dataclass
+class TargetForwardArgs:
+    target: str = field(metadata={"help": "HF causal-LM folder or .gguf file"})
+    max_tokens: int = field(default=32768, metadata={"help": "rows x length of a micro-batch, at most"})
+    min_length: int = 128
+    max_length: int = 2048
+    steps: int = field(default=30, metadata={"help": "timed micro-batches per backend set"})
+    warmup: int = field(default=3, metadata={"help": "untimed micro-batches first (compilation)"})
+    seed: int = 0
+    device: str = "auto"
+    dtype: str = "bfloat16"
+
+
+def shapes(args: TargetForwardArgs, seed: int) -> list[tuple[int, int]]:
+    """(rows, length) of each micro-batch."""
+    draw = random.Random(seed)
+    lengths = [draw.randint(args.min_length, args.max_length) for _ in range(args.warmup + args.steps)]
+    return [(max(1, args.max_tokens // length), length) for length in lengths]
+
+
+@torch.no_grad()
+def time_forwards(target: FrozenTarget, batches: list[tuple[int, int]], warmup: int) -> dict:
+    """Median ms a forward and tokens/s over batches[warmup:], each timed alone."""
+    vocab, device = target.embed_tokens.weight.shape[0], target.device
+    seconds, tokens = [], 0
+    for n, (rows, length) in enumerate(batches):
+        ids = torch.randint(0, vocab, (rows, length), device=device)
+        synchronize(device)
+        start = time.perf_counter()
+        target.features(ids)
+        synchronize(device)
+        if n >= warmup:
+            seconds.append(time.perf_counter() - start)
+            tokens += rows * length
+    return {"ms_per_forward_median": round(1e3 * statistics.median(seconds), 3),
+            "tokens_per_second": round(tokens / sum(seconds)), "forwards": len(seconds)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    (args,) = cli_parser(TargetForwardArgs).parse_args_into_dataclasses(argv)
+    setup_logging(0)
+    device = pick_device(args.device, 0)
+    folder = resolve_target(args.target)
+    layers = default_target_layer_ids(load_target_config(folder).num_hidden_layers, 5)
+    target = FrozenTarget.load(folder, layers, getattr(torch, args.dtype), device)
+    if device.type == "cuda":
+        target.compile_pointwise()
+    results = {"target": args.target, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+               else "cpu", "dtype": args.dtype, "max_tokens": args.max_tokens}
+    for n, (name, backends) in enumerate(BACKENDS.items()):
+        target.attention_backends = backends
+        results[name] = time_forwards(target, shapes(args, args.seed + n), args.warmup)
+        logger.info("%s: %s", name, results[name])
+    print(json.dumps(results), flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()
