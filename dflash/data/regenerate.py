@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+from torch.nn.attention import sdpa_kernel
 from transformers import GenerationConfig
 
 from dflash.data.chat_formats import DataError, Messages, load_chat_jsonl
@@ -43,7 +44,7 @@ from dflash.data.partials import PartialSink, partial_path, read_partials, write
 from dflash.data.thinking import THINKING_FLAG_VALUES, THINKING_HELP, resolve_thinking, thinking_kwargs
 from dflash.data.tokenization import load_tokenizer, many_prompt_ids, prompt_messages
 from dflash.data.tokenizer_match import check_tokenizer_matches_target
-from dflash.target.frozen import FrozenTarget, TargetError, load_target_config
+from dflash.target.frozen import SHAPE_FREE_SDPA, FrozenTarget, TargetError, load_target_config
 from dflash.target.generate import generate_batches, stop_token_ids
 from dflash.target.graphs import GraphReplays
 from dflash.target.gguf import gguf_file, is_model_path, resolve_target
@@ -182,7 +183,8 @@ def generate_batch(model, prompts: list[list[int]], settings: dict, pad_id: int,
     for row, prompt in enumerate(prompts):
         ids[row, width - len(prompt):] = torch.tensor(prompt)
         mask[row, width - len(prompt):] = 1
-    out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), **settings)
+    with sdpa_kernel(SHAPE_FREE_SDPA):  # each step's key length is new (dflash.target.frozen)
+        out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), **settings)
     return [emitted_reply(row, stop_ids) for row in out[:, width:].tolist()]
 
 

@@ -20,9 +20,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from dflash.util.runtime import allow_compiled_variants
 
-# Attention backends for the forward over micro-batches of a new shape each: cuDNN's builds an
-# execution plan for every new (batch, length) before its first kernel (in training on an H100 the
-# GPU sat idle about 25 ms before that kernel in two steps of three); flash attention plans nothing.
+# Attention backends for forwards of a new shape each (training's micro-batches, each decoding
+# step's key length): cuDNN's builds an execution plan for every new shape before its first kernel
+# (in training on an H100 the GPU sat idle about 25 ms before that kernel in two steps of three;
+# HF's own decoding took 41 ms a token); flash attention plans nothing.
 SHAPE_FREE_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -110,7 +111,7 @@ class FrozenTarget:
         self.layer_ids = list(layer_ids)
         self.embed_tokens = model.get_input_embeddings()
         self.lm_head = model.get_output_embeddings()
-        self.attention_backends = SHAPE_FREE_SDPA  # features()' attention (dflash.benchmarks.target_forward)
+        self.attention_backends = SHAPE_FREE_SDPA  # of features() and decode_step (benchmarks.target_forward)
         params = inspect.signature(model.forward).parameters
         # transformers renamed `past_key_values` to `cache` in 5.2x; accept both versions.
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -212,7 +213,8 @@ class FrozenTarget:
         """Forward of new tokens [b, T] over a KV cache (mutated): logits and features."""
         start = cache.get_seq_length()
         positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)[None]
-        with self._capture(stop_after_deepest=False) as captured:
+        # a new key length every step: the same new shape each time as in features()
+        with self._capture(stop_after_deepest=False) as captured, sdpa_kernel(self.attention_backends):
             out = self.model(
                 input_ids=input_ids, position_ids=positions, use_cache=True, **{self._cache_kwarg: cache}
             )
