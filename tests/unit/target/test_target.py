@@ -20,18 +20,20 @@ def test_embedding_and_head_from_the_sharded_demo_target_equal_the_full_load():
 
 @pytest.mark.gpu
 def test_features_on_a_gpu_skip_cudnn_attention_and_match_the_default_backends():
-    """The training forward keeps cuDNN's attention out (it plans anew for each micro-batch shape):
-    in bf16 its features match HF's forward with the default backends, and no cuDNN attention
-    kernel runs."""
+    """The training forward and HF-path decoding keep cuDNN's attention out (it plans anew for
+    each new shape): in bf16 the features match HF's forward with the default backends, and no
+    cuDNN attention kernel runs."""
     from torch.profiler import ProfilerActivity, profile
 
     from conftest import tiny_target
+    from dflash.eval.speculative import greedy_decode
 
     target = tiny_target("qwen3", dtype=torch.bfloat16)
     target.model.cuda()
     ids = torch.randint(0, target.model.config.vocab_size, (3, 200), device="cuda")
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         ours = target.features(ids).features
+        greedy_decode(target, ids[0, :50].tolist(), 8, set(), kind="plain")
         torch.cuda.synchronize()
     kernels = [event.name for event in prof.events() if event.device_type.name == "CUDA"]
     assert kernels and not any("cudnn" in name and "sdpa" in name for name in kernels), kernels
