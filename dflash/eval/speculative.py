@@ -28,7 +28,7 @@ from dflash.drafter.vocab import DraftHead
 from dflash.target.frozen import FrozenTarget
 from dflash.target.graphs import GraphReplays
 from dflash.target.static import StaticTarget, fast_decoding_supported, round_up
-from dflash.util.runtime import allow_compiled_variants, synchronize
+from dflash.util.runtime import HostCopy, allow_compiled_variants, synchronize
 
 DECODERS = ("auto", "fast", "plain")
 # Greedy decoding reads its tokens back every this many steps, to see an end of sequence: a read
@@ -168,28 +168,6 @@ class DraftSession:
         hidden = self.drafter.draft(self.cache, self.target.embed_tokens(self._block_ids), self._anchor + self._offsets,
                                     self.stacked)
         return self.head.to_target(self.head(hidden[0, 1:]).argmax(-1))
-
-
-class HostCopy:
-    """A device tensor's values on the host without waiting for the work queued after it: copied
-    into pinned memory in queue order, and waited for only when read."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self._done = torch.cuda.Event() if self.cuda else None
-        self._host: torch.Tensor | None = None
-
-    def start(self, values: torch.Tensor) -> None:
-        if self._host is None or self._host.shape != values.shape or self._host.dtype != values.dtype:
-            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=self.cuda)
-        self._host.copy_(values, non_blocking=True)
-        if self.cuda:
-            self._done.record()
-
-    def read(self) -> list:
-        if self.cuda:
-            self._done.synchronize()
-        return self._host.tolist()
 
 
 def resolve_decoder(name: str, target: FrozenTarget) -> str:

@@ -38,6 +38,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dflash.util.runtime import HostCopy
+
 
 class SpikeGuard:
     def __init__(self, factor: float, warmup: int = 20, window: int = 50, group=None):
@@ -200,37 +202,27 @@ class StepTally:
 
 class UpdateCheck:
     """StepTally.check_update for every optimizer step, one step late: the weights' norm after a
-    step is copied to the host without waiting and read when the next step ends, long done by
-    then, so the step loop never drains the GPU for it (the host prepares the next micro-batch
-    while the update runs). `settle` reads and checks the pending one at once: before a
+    step is copied to the host without waiting (HostCopy) and read when the next step ends, long
+    done by then, so the step loop never drains the GPU for it (the host prepares the next
+    micro-batch while the update runs). `settle` reads and checks the pending one at once: before a
     checkpoint is saved (a blown-up update is never saved) and after the last step."""
 
     def __init__(self, module: torch.nn.Module, group, tally: StepTally) -> None:
         self.module, self.group, self.tally = module, group, tally
         self.norm = float(weights_norm(module, group).item())
-        self._host: torch.Tensor | None = None  # a pinned buffer: only one norm is in flight at a time
-        self._pending: tuple[int, torch.Tensor, torch.cuda.Event | None] | None = None
+        self._copy = HostCopy(next(module.parameters()).device)  # one norm in flight at a time
+        self._pending: int | None = None  # the step whose norm is in flight
 
     def stepped(self, step: int) -> None:
         """Optimizer step `step` updated the weights: check the one before, start on this one."""
         self.settle()
-        norm = weights_norm(self.module, self.group)
-        done = None
-        if norm.is_cuda:
-            if self._host is None:
-                self._host = torch.empty(1, dtype=norm.dtype, pin_memory=True)
-            norm = self._host.copy_(norm, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-        self._pending = (step, norm, done)
+        self._copy.start(weights_norm(self.module, self.group))
+        self._pending = step
 
     def settle(self) -> None:
         if self._pending is None:
             return
-        step, norm, done = self._pending
-        self._pending = None
-        if done is not None:
-            done.synchronize()
-        after = float(norm[0])
+        step, self._pending = self._pending, None
+        after = self._copy.read()[0]
         self.tally.check_update(step, self.norm, after)
         self.norm = after

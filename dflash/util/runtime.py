@@ -1,5 +1,6 @@
 """What every command sets up first: the device (pick_device) and the log format (setup_logging:
-each record carries its rank; only rank 0 speaks at INFO).
+each record carries its rank; only rank 0 speaks at INFO); and the device helpers the loops share
+(synchronize, HostCopy).
 """
 
 from __future__ import annotations
@@ -32,6 +33,28 @@ def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (timing on a GPU); nothing to wait for elsewhere."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class HostCopy:
+    """A device tensor's values on the host without waiting for the work queued after it: copied
+    into pinned memory in queue order, and waited for only when read."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._done = torch.cuda.Event() if self.cuda else None
+        self._host: torch.Tensor | None = None
+
+    def start(self, values: torch.Tensor) -> None:
+        if self._host is None or self._host.shape != values.shape or self._host.dtype != values.dtype:
+            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=self.cuda)
+        self._host.copy_(values, non_blocking=True)
+        if self.cuda:
+            self._done.record()
+
+    def read(self) -> list:
+        if self.cuda:
+            self._done.synchronize()
+        return self._host.tolist()
 
 
 # A training process compiles each drafter layer (and the target's norms and MLPs) with dynamic
