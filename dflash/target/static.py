@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import sdpa_kernel
 
 from dflash.nn.transformer import attend, rms_norm, rotate
-from dflash.target.frozen import FrozenTarget, TargetError
+from dflash.target.frozen import SHAPE_FREE_SDPA, FrozenTarget, TargetError
 from dflash.target.graphs import GraphReplays
 from dflash.target.sampling import Sampling
 
@@ -250,7 +251,10 @@ class StaticTarget:
         half = cos.shape[-1] // 2
         cos, sin = cos[:, None], torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)[:, None]
         keys = columns if span is None else self.columns[None, :span]
-        masks = self._masks(columns, keys, x.dtype, target.model.config.num_attention_heads // self.keys.shape[2])
+        if span is None and not any(self.windows):  # a fresh prompt over itself: causal, no mask (finish_layer)
+            masks = [None] * len(target.layers)
+        else:
+            masks = self._masks(columns, keys, x.dtype, target.model.config.num_attention_heads // self.keys.shape[2])
         project, project_write, finish = compiled_layer_parts() if compiled else (project_qkv, None, finish_layer)
         write_inside = compiled and shared and rows is None and span is not None
         hkv = self.keys.shape[2]
@@ -340,12 +344,19 @@ def finish_layer(layer, gate_up: tuple, x: torch.Tensor, q: torch.Tensor, keys: 
     """The rest of the decoder layer: attention of q (project_qkv's rows layout) over keys/values
     and its output projection, added to the residual x [b, T, D]; then the MLP -> (that sum, the
     MLP's output): the layer's output is their sum, made by the next layer's projection.
-    `gate_up`: the layer's stacked projection."""
+    `gate_up`: the layer's stacked projection. `mask` None: a fresh prompt's tokens attending over
+    themselves, causally, in the [b, Hq, T, d] layout whose causal kernels skip the masked half (a
+    prefill's long prompts spent most of their attention on a dense mask's zeros)."""
     attention = layer.self_attn
     b, t = x.shape[:2]
     d = q.shape[-1]
     heads = q.shape[2] // t * hkv
-    out = attend(q, keys, values, mask, attention.scaling)
+    if mask is None:
+        with sdpa_kernel(SHAPE_FREE_SDPA):  # prompts come in every length: no cuDNN plan per shape
+            out = F.scaled_dot_product_attention(q.view(b, heads, t, d), keys, values, is_causal=True,
+                                                 scale=attention.scaling, enable_gqa=heads != hkv)
+    else:
+        out = attend(q, keys, values, mask, attention.scaling)
     x = x + attention.o_proj(out.reshape(b, heads, t, d).transpose(1, 2).reshape(b, t, -1))
     gate, up = F.linear(rms_norm(layer.post_attention_layernorm, x), *gate_up).chunk(2, dim=-1)
     return x, layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)

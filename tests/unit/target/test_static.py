@@ -12,6 +12,7 @@ import torch
 
 from conftest import tiny_target
 from dflash.target.frozen import TargetError
+from dflash.nn.transformer import attend
 from dflash.target.static import StaticTarget, round_up
 
 IDS = torch.tensor([[5, 17, 3, 44, 9, 60, 2, 71]])
@@ -171,6 +172,32 @@ def test_compiled_graphed_steps_give_the_eager_steps_choices_features_and_caches
         at += width
     torch.testing.assert_close(compiled.keys[:, :, :, :at], eager.keys[:, :, :, :at], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(compiled.values[:, :, :, :at], eager.values[:, :, :, :at], rtol=1e-4, atol=1e-4)
+
+
+def test_fresh_prompts_prefill_causally_without_a_mask_and_give_hfs_features_and_tokens(arch, monkeypatch):
+    """Prompts entering rows at column 0 attend over themselves with SDPA's causal kernel (no
+    dense mask is built or read): right-padded rows of different lengths give, at their real
+    positions, the features and next token of HF's forward over each prompt alone (float64)."""
+    import dflash.target.static as static
+
+    target = tiny_target(arch)
+    masked = []
+    monkeypatch.setattr(static, "attend", lambda *args: masked.append(args) or attend(*args))
+    prompts = [[5, 17, 3, 44, 9, 60, 2, 71, 30, 8, 1, 90, 12], [60, 2, 2, 71, 30]]
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, :len(prompt)] = torch.tensor(prompt)
+    last = torch.tensor([len(p) - 1 for p in prompts])
+    session = StaticTarget(target, batch=2, capacity=32, cuda_graphs=False)
+    choice, features = session._forward(ids, session._shared_columns(ids.shape), None, last=last, features=True)
+    assert not masked, "a fresh prompt's prefill must not take the masked path"
+    for row, prompt in enumerate(prompts):
+        alone = torch.tensor([prompt])
+        want = target.features(alone, with_final_hidden=True)
+        torch.testing.assert_close(features[row, :len(prompt)], want.features[0])
+        assert choice[row, 0].item() == target.model(alone).logits[0, -1].argmax().item()
+    session.step_rows(torch.tensor([[7], [11]]), last + 1, int(last.max()) + 2)
+    assert masked, "steps over the cache attend under the mask"
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
