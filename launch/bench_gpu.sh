@@ -2,7 +2,8 @@
 # Throughput and memory benchmarks on a GPU host, results as JSON under $RESULTS (default
 # runs/bench/results): the drafter step with fast and naive kernels, the memory sweep, the
 # end-to-end training loop (fast vs naive, with a profile), the fast loop as on an 80 GiB card,
-# and response regeneration with the 8B-shaped target. With two GPUs the two halves run side by
+# and response regeneration and batch-1 decoding (greedy step, speculative cycle) with the
+# 8B-shaped target. With two GPUs the two halves run side by
 # side. SKIP_STEP_BENCH=1 leaves out the drafter-only runs (step and memory sweep).
 #   PYTHON=python3 bash launch/bench_gpu.sh
 set -uo pipefail
@@ -25,6 +26,8 @@ e2e() { "$PY" -m dflash.benchmarks.e2e --out "$BENCH" --steps "${STEPS:-40}" "$@
   rm -f "$BENCH/regen.jsonl" "$BENCH/regen.jsonl.partial"
   "$PY" -m dflash.regenerate --target "$BENCH/assets/target" --prompts "$BENCH/assets/train.jsonl" \
     --output "$BENCH/regen.jsonl" --limit "${REGEN_PROMPTS:-256}" --max-new-tokens 512 > "$RES/regen.log" 2>&1
+  "$PY" -m dflash.benchmarks.decode --target "$BENCH/assets/target" --prompts "$BENCH/assets/train.jsonl" \
+    --num-prompts 8 --output "$RES/decode.json" > "$RES/decode.log" 2>&1
 ) &
 half=$!
 [ "$second" = 1 ] || wait "$half"
