@@ -24,7 +24,6 @@ import re
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from dflash.data.chat_formats import DataError, load_chat_jsonl
 from dflash.demo.chat_corpus import is_heldout

@@ -15,7 +15,7 @@ fields `block_size`, `num_target_layers` and `dflash_config` added.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F

@@ -118,7 +118,6 @@ class LossOutput:
     slot_correct: torch.Tensor  # [B] correct predictions per slot (detached)
     slot_count: torch.Tensor  # [B] scored predictions per slot
     block_streaks: torch.Tensor  # [#blocks] leading correct slots of each real block
-    weight_sum: torch.Tensor  # sum of w * m, the loss normaliser
     distinct_predictions: torch.Tensor  # how many distinct tokens the argmax drafts at the scored slots (0-d)
 
 
@@ -236,7 +235,7 @@ def dflash_loss(
     return LossOutput(loss=combine(denominators or local), mean_loss=combine(local).detach(),
                       ce=sums["ce"].detach() / weight_sum, kl=sums["kl"].detach() / weight_sum,
                       slot_correct=slot_correct, slot_count=slot_count,
-                      block_streaks=block_streaks(correct, mask, bs), weight_sum=weight_sum,
+                      block_streaks=block_streaks(correct, mask, bs),
                       distinct_predictions=distinct_count(predicted, lm_head.weight.shape[0]))
 
 

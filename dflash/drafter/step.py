@@ -97,4 +97,4 @@ class DrafterStep:
         nothing = torch.zeros(bs, device=zero.device)
         return LossOutput(loss=zero, mean_loss=zero.detach(), ce=zero.detach(), kl=zero.detach(), slot_correct=nothing,
                           slot_count=nothing.clone(), block_streaks=torch.zeros(0, device=zero.device),
-                          weight_sum=zero.detach(), distinct_predictions=zero.detach())
+                          distinct_predictions=zero.detach())

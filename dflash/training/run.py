@@ -60,7 +60,6 @@ class TrainResult:
     seconds: float
     drafter_dir: Path
     initial_drafter_dir: Path
-    last_metrics: dict
     targets_finished: bool = True  # False: a target rank stalled after the drafters' last step
     target_holders: list[int] = field(default_factory=list)  # the ranks that hold the target (rank 0's result)
 
@@ -205,7 +204,7 @@ def train(config: RunConfig, ranks: RankInfo) -> TrainResult:
                 on_served=served,
             )
             server.serve()  # until every drafter rank says stop; rank 0's routing report has the counts
-        return TrainResult("target", 0, 0.0, out_dir / "drafter", out_dir / "drafter-init", {})
+        return TrainResult("target", 0, 0.0, out_dir / "drafter", out_dir / "drafter-init")
     # an echoed micro-batch (--reuse-features) follows its first within one optimizer step's micro-batches
     recent = RecentBatches(config.train.grad_accum) if config.data.reuse_features > 1 else None
     if topology.colocated:
@@ -435,7 +434,7 @@ def finish(ctx: RankContext, run: DrafterRun, report: RunReport, source: Feature
     report.close()
     role = "colocated" if ctx.topology.colocated else "drafter"
     holders = list(range(ctx.ranks.world_size)) if ctx.topology.colocated else list(ctx.topology.target_ranks)
-    return TrainResult(role, steps, seconds, drafter_dir, run.initial_dir, report.last,
+    return TrainResult(role, steps, seconds, drafter_dir, run.initial_dir,
                        targets_finished=close_transport(ctx, source, drafter_dir), target_holders=holders)
 
 

@@ -49,7 +49,6 @@ class RunReport:
         self.profiler = StepProfiler(ctx.out_dir, PROFILE_AFTER_STEPS, config.train.profile_steps, device,
                                      enabled=run.is_main)
         self.tau: dict = {}
-        self.last: dict = {}
         self.started = time.perf_counter()
         self.first_step = run.engine.global_steps
         self.collapse_warned_at: int | None = None
@@ -102,7 +101,6 @@ class RunReport:
             logger.info(progress_line(last, run.total_steps))
             self.warn_if_collapsed(last)
         self.window.reset()
-        self.last = last
 
     def warn_if_collapsed(self, record: dict) -> None:
         step, schedule = record["step"], self.run.lr_schedule

@@ -14,7 +14,7 @@ from dflash.training.metrics import COLLAPSE_FROM_STEP, MetricsLogger, WindowMet
 def loss_output(correct: list[float], count: list[float], streaks: list[int], distinct: float = 3.0) -> LossOutput:
     zero = torch.tensor(0.0)
     return LossOutput(loss=torch.tensor(2.0), mean_loss=torch.tensor(2.0), ce=torch.tensor(2.0), kl=zero, slot_correct=torch.tensor(correct),
-                      slot_count=torch.tensor(count), block_streaks=torch.tensor(streaks), weight_sum=zero,
+                      slot_count=torch.tensor(count), block_streaks=torch.tensor(streaks),
                       distinct_predictions=torch.tensor(distinct))
 
 
