@@ -29,8 +29,8 @@
 #   MASK_ID            the drafter's mask token (default: a spare embedding row, found automatically;
 #                      16, <empty_output>, for smollm2-135m, whose tokenizer uses every row)
 #   EVAL_PROMPTS=64    held-out prompts decoded at the end
-#   EVAL_NEW=MAX_NEW   new tokens per held-out prompt in the bfloat16 eval (the speed one): as long
-#                      as the replies trained on
+#   EVAL_NEW="128 MAX_NEW"  new tokens per held-out prompt in the bfloat16 evals (the speed ones), one
+#                      eval per length: what a chat user reads first, and as long as the replies trained on
 #   LOSSLESS_NEW=128   new tokens per prompt in the float32 eval (identical to greedy, or exit 1);
 #                      float32 decodes slowly, and exactness does not depend on the length
 #   EXTRA_TRAIN_FLAGS  more train_drafter.py flags, e.g. "--resume" or "--overwrite" for a rerun
@@ -61,23 +61,30 @@ evaluate() {  # dtype name new_tokens -> $RUN/eval_<name>.json; float32 fails (e
   "$PY" -m dflash.eval --target "$TARGET" --drafter "$RUN/drafter" --prompts "$DATA/heldout.jsonl" \
     --num-prompts "${EVAL_PROMPTS:-64}" --max-new-tokens "$3" --dtype "$1" --output "$RUN/eval_$2.json"
 }
-evaluate bfloat16 bf16 "${EVAL_NEW:-${MAX_NEW:-384}}"
+# shellcheck disable=SC2086  # EVAL_NEW is a list of lengths
+lengths=$(printf '%s\n' ${EVAL_NEW:-128 ${MAX_NEW:-384}} | awk '!seen[$0]++')
+for new in $lengths; do
+  evaluate bfloat16 "bf16_$new" "$new"
+done
 lossless=0
 evaluate float32 fp32 "${LOSSLESS_NEW:-128}" || lossless=$?
 
-"$PY" - "$RUN" "$DATA/regen.jsonl" "$train_seconds" <<'EOF'
+# shellcheck disable=SC2086
+"$PY" - "$RUN" "$DATA/regen.jsonl" "$train_seconds" $lengths <<'EOF'
 import json, sys
-run, regen, train_seconds = sys.argv[1], sys.argv[2], int(sys.argv[3])
-bf16, fp32 = (json.load(open(f"{run}/eval_{d}.json"))["drafter"] for d in ("bf16", "fp32"))
+run, regen, train_seconds, lengths = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
+fp32 = json.load(open(f"{run}/eval_fp32.json"))["drafter"]
 steps = json.loads(open(f"{run}/metrics.jsonl").read().splitlines()[-1])["step"]
 samples = sum(1 for _ in open(regen))
 def per_second(report, kind):  # the report's own figure where dflash.eval writes one
     return report.get(f"{kind}_tokens_per_second", report["tokens"] / report[f"{kind}_seconds"])
-print(f"RESULT bf16 ({bf16['tokens'] / bf16['prompts']:.0f} new tokens per prompt): tau {bf16['tau']:.2f}, "
-      f"acceptance by position 1..4 "
-      f"{' '.join(f'{a:.2f}' for a in bf16['acceptance'][:4])}, speedup {bf16['speedup']:.2f}x, "
-      f"{per_second(bf16, 'greedy'):.0f} tokens/s greedy -> {per_second(bf16, 'speculative'):.0f} speculative | "
-      f"fp32: tau {fp32['tau']:.2f}, speedup {fp32['speedup']:.2f}x, identical to greedy on "
+for new in lengths:
+    bf16 = json.load(open(f"{run}/eval_bf16_{new}.json"))["drafter"]
+    print(f"RESULT bf16, at most {new} new tokens ({bf16['tokens'] / bf16['prompts']:.0f} per prompt): "
+          f"tau {bf16['tau']:.2f}, acceptance by position 1..4 "
+          f"{' '.join(f'{a:.2f}' for a in bf16['acceptance'][:4])}, speedup {bf16['speedup']:.2f}x, "
+          f"{per_second(bf16, 'greedy'):.0f} tokens/s greedy -> {per_second(bf16, 'speculative'):.0f} speculative")
+print(f"RESULT fp32: tau {fp32['tau']:.2f}, speedup {fp32['speedup']:.2f}x, identical to greedy on "
       f"{fp32['prompts'] - fp32['diverged']}/{fp32['prompts']} | {samples} samples, "
       f"training {train_seconds // 3600}h{train_seconds // 60 % 60:02d}m{train_seconds % 60:02d}s ({steps} steps)")
 EOF
