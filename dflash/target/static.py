@@ -345,8 +345,8 @@ def finish_layer(layer, gate_up: tuple, x: torch.Tensor, q: torch.Tensor, keys: 
     and its output projection, added to the residual x [b, T, D]; then the MLP -> (that sum, the
     MLP's output): the layer's output is their sum, made by the next layer's projection.
     `gate_up`: the layer's stacked projection. `mask` None: a fresh prompt's tokens attending over
-    themselves, causally, in the [b, Hq, T, d] layout whose causal kernels skip the masked half (a
-    prefill's long prompts spent most of their attention on a dense mask's zeros)."""
+    themselves, causally, in the [b, Hq, T, d] layout whose causal kernels skip the masked half
+    (under a dense mask a prefill computed that half too, and read the mask)."""
     attention = layer.self_attn
     b, t = x.shape[:2]
     d = q.shape[-1]
