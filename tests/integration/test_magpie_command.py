@@ -157,6 +157,7 @@ def test_one_command_builds_n_prompts_from_the_registry_and_the_target(writer, t
     summary = json.loads((out / "prompts.json").read_text())
     sharegpt_code = summary["taken"]["sharegpt"]["code_requests"]
     assert summary["taken"] == {"sharegpt": {"prompts": 6, "code_requests": sharegpt_code},
+                                "sharegpt-later": {"prompts": 0, "code_requests": 0},  # one-turn conversations
                                 "leetcode": {"prompts": 2, "code_requests": 2},
                                 "chatterbot": {"prompts": 1, "code_requests": 1},
                                 "magpie": {"prompts": 4, "code_requests": 0}}

@@ -49,26 +49,26 @@ def test_a_line_that_is_no_prompt_is_named_with_its_line(tmp_path, capsys):
     assert f"{train}:2: not a prompt line" in capsys.readouterr().err
 
 
-def test_dflash_data_prompts_takes_the_later_turns_only_when_asked(tmp_path, capfd):
-    from dflash.data.prompts import main as prompts_main
+def test_dflash_data_prompts_takes_the_later_turns_by_default_and_leaves_them_out_when_told(tmp_path, capfd):
+    from dflash.data.prompts import PromptsArgs, main as prompts_main
     turns = ["Tell me about the history of the Roman empire in brief", "It rose and fell.",
              "Which emperor built the longest wall across northern Britain, and why?", "Hadrian."]
     source = tmp_path / "sharegpt.json"
     source.write_text(json.dumps([
         {"id": f"c{i}", "conversations": [{"from": "human" if j % 2 == 0 else "gpt", "value": f"{t} ({i})"}
                                           for j, t in enumerate(turns)]} for i in range(5)]))
-    base = ["--sharegpt-source", str(source), "--heldout", "1", "--n"]
-    assert prompts_main(["--out-dir", str(tmp_path / "plain"), *base, "8", "--sources", "sharegpt"]) == 0
+    assert "sharegpt-later" in PromptsArgs(out_dir="x", n=1).sources
+    base = ["--sharegpt-source", str(source), "--heldout", "1", "--sources", "sharegpt"]
+    assert prompts_main(["--out-dir", str(tmp_path / "plain"), *base, "--n", "9"]) == 2
+    assert "leave 1 prompt missing" in capfd.readouterr().err  # 4 conversations x 2 turns
     out = tmp_path / "later"
-    assert prompts_main(["--out-dir", str(out), *base, "12", "--sources", "sharegpt", "sharegpt-later"]) == 0
+    assert prompts_main(["--out-dir", str(out), *base, "sharegpt-later", "--n", "12"]) == 0
     summary = json.loads((out / "prompts.json").read_text())
     assert summary["available"] == {"sharegpt": 8, "sharegpt-later": 4}
     alone = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()
              if json.loads(line)["source"] == "sharegpt-later"]
     assert sorted(r["id"] for r in alone) == [f"c{i}:2:alone" for i in range(5) if f"c{i}" != held_out(out)]
     assert all(len(r["messages"]) == 1 and r["messages"][0]["content"].startswith("Which emperor") for r in alone)
-    assert prompts_main(["--out-dir", str(out), *base, "13", "--sources", "sharegpt", "sharegpt-later"]) == 2
-    assert "leave 1 prompt missing" in capfd.readouterr().err
 
 
 def held_out(out) -> str:
