@@ -3,8 +3,9 @@
 # largest size's prompts (ShareGPT's turns with context and alone, LeetCode, ChatterBot, then user
 # turns the target writes itself), the target answers them once, and for each size K of SIZES a
 # drafter trains MINUTES minutes on the first K replies (--max-minutes: the same GPU time for every
-# size; the prompts are shuffled, so each K samples the same mix). Each run's final eval decodes the held-out ShareGPT prompts in
-# bfloat16 at 128 new tokens against the fast greedy loop; EVAL_NEW adds lengths through dflash.eval.
+# size; the prompts are shuffled, so each K samples the same mix). Each run's final eval decodes the
+# held-out ShareGPT prompts in bfloat16 at 128 new tokens against the fast greedy loop; EVAL_NEW adds
+# lengths through dflash.eval.
 #   SIZES="10000 30000" MINUTES=4 bash launch/data_curve.sh
 # Knobs (environment), besides PYTHON, MODEL and TARGET of launch/real.sh:
 #   RUN=runs/data_curve  output: data/, n<K>/ (one run per size), eval_n<K>_<tokens>.json, curve.json
