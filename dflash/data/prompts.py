@@ -4,6 +4,7 @@ requests), then user turns the target writes itself (Magpie) for whatever they l
 with the held-out conversations kept out of all of them.
 
     python -m dflash.data.prompts --out-dir runs/real/data --n 100000 --target T [--code-share 0.5]
+    python -m dflash.data.prompts --out-dir runs/real/data --n 0     # every registry prompt, no Magpie
 
 What --out-dir holds afterwards:
   heldout.jsonl, train_prompts.jsonl   dflash.data.sharegpt's split (reused when both exist)
@@ -62,7 +63,7 @@ MAGPIE_FILE, PROMPTS_FILE, SUMMARY_FILE = "magpie_prompts.jsonl", "prompts.jsonl
 @dataclass
 class PromptsArgs:
     out_dir: str = field(metadata={"help": f"folder for {PROMPTS_FILE} and the files it is built from"})
-    n: int = field(metadata={"help": "prompts to write"})
+    n: int = field(metadata={"help": "prompts to write (0: every registry prompt, none written by the target)"})
     target: str | None = field(default=None, metadata={
         "help": "HF folder or .gguf: the target writes the prompts the registry sources leave missing (Magpie); "
                 "default: registry prompts only"})
@@ -128,7 +129,8 @@ def pick_registry_prompts(records: list[dict], n: int, code_share: float | None,
 def check_args(args: PromptsArgs) -> None:
     unknown = [s for s in args.sources if s not in SOURCES and s != "none"]
     problems = [
-        (args.n >= 1, f"--n {args.n}: use at least 1"),
+        (args.n >= 0, f"--n {args.n}: use at least 1, or 0 for every registry prompt"),
+        (args.n or args.code_share is None, "--n 0 takes every registry prompt as it comes: drop --code-share"),
         (args.code_share is None or 0 <= args.code_share <= 1,
          f"--code-share {args.code_share}: use a share in [0, 1]"),
         (not unknown, f"--sources {' '.join(unknown)}: use any of {', '.join(SOURCES)}, or none"),
@@ -196,8 +198,11 @@ def build(args: PromptsArgs) -> dict:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     found = registry_prompts(args, out)
-    pick = pick_registry_prompts([r for records in found.values() for r in records], args.n, args.code_share,
-                                 args.seed)
+    records = [r for records in found.values() for r in records]
+    if not args.n and not records:
+        raise ConfigError(f"--n 0 takes every registry prompt, and --sources {' '.join(args.sources)} hold none; "
+                          "name sources that do, or ask for N prompts with --target")
+    pick = pick_registry_prompts(records, args.n or len(records), args.code_share, args.seed)
     taken = out / "registry_prompts.jsonl"
     write_text_durably(taken, "".join(json.dumps(r) + "\n" for r in pick.records))
     written = magpie_prompts(args, out, pick.missing, taken)
@@ -225,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     parts = ", ".join(f"{t['prompts']} {name} ({t['code_requests']} code)" for name, t in summary["taken"].items())
     logger.info("%s: %d prompts: %s; in %.1f s", Path(args.out_dir) / PROMPTS_FILE, summary["written"], parts,
                 summary["seconds"])
-    if summary["written"] < args.n:
+    if args.n and summary["written"] < args.n:
         logger.warning("%d prompts short of --n %d: Magpie ran out of rounds (raise --max-rounds)",
                        args.n - summary["written"], args.n)
     return 0

@@ -49,14 +49,20 @@ def test_a_line_that_is_no_prompt_is_named_with_its_line(tmp_path, capsys):
     assert f"{train}:2: not a prompt line" in capsys.readouterr().err
 
 
-def test_dflash_data_prompts_takes_the_later_turns_by_default_and_leaves_them_out_when_told(tmp_path, capfd):
-    from dflash.data.prompts import PromptsArgs, main as prompts_main
+def sharegpt_source(tmp_path):
+    """5 conversations of two human turns each (their later turn long enough to be asked alone)."""
     turns = ["Tell me about the history of the Roman empire in brief", "It rose and fell.",
              "Which emperor built the longest wall across northern Britain, and why?", "Hadrian."]
     source = tmp_path / "sharegpt.json"
     source.write_text(json.dumps([
         {"id": f"c{i}", "conversations": [{"from": "human" if j % 2 == 0 else "gpt", "value": f"{t} ({i})"}
                                           for j, t in enumerate(turns)]} for i in range(5)]))
+    return source
+
+
+def test_dflash_data_prompts_takes_the_later_turns_by_default_and_leaves_them_out_when_told(tmp_path, capfd):
+    from dflash.data.prompts import PromptsArgs, main as prompts_main
+    source = sharegpt_source(tmp_path)
     assert "sharegpt-later" in PromptsArgs(out_dir="x", n=1).sources
     base = ["--sharegpt-source", str(source), "--heldout", "1", "--sources", "sharegpt"]
     assert prompts_main(["--out-dir", str(tmp_path / "plain"), *base, "--n", "9"]) == 2
@@ -74,3 +80,18 @@ def test_dflash_data_prompts_takes_the_later_turns_by_default_and_leaves_them_ou
 def held_out(out) -> str:
     (line,) = (out / "heldout.jsonl").read_text().splitlines()
     return json.loads(line)["id"].split(":")[0]
+
+
+def test_n_0_takes_every_registry_prompt_and_refuses_a_code_share(tmp_path, capfd):
+    from dflash.data.prompts import main as prompts_main
+    base = ["--sharegpt-source", str(sharegpt_source(tmp_path)), "--heldout", "1", "--n", "0"]
+    out = tmp_path / "all"
+    assert prompts_main(["--out-dir", str(out), *base, "--sources", "sharegpt", "sharegpt-later"]) == 0
+    summary = json.loads((out / "prompts.json").read_text())
+    assert summary["written"] == 12 and summary["taken"]["magpie"]["prompts"] == 0
+    assert len((out / "prompts.jsonl").read_text().splitlines()) == 12
+    capfd.readouterr()
+    assert prompts_main(["--out-dir", str(out), *base, "--code-share", "0.5"]) == 2
+    assert "--n 0 takes every registry prompt as it comes: drop --code-share" in capfd.readouterr().err
+    assert prompts_main(["--out-dir", str(tmp_path / "none"), *base, "--sources", "none"]) == 2
+    assert "hold none" in capfd.readouterr().err
