@@ -26,7 +26,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash.data.chat_formats import DataError, iter_lines
+from dflash.data.chat_formats import DataError, iter_lines, parse_line
 from dflash.data.prompt_filters import Fingerprint, heldout_index
 from dflash.util.cli import cli_parser, user_error
 from dflash.util.files import output_file_problem, write_text_durably
@@ -51,21 +51,17 @@ class LaterTurnsArgs:
 
 
 def read_prompts(path: Path) -> list[dict]:
-    """The {"id", "messages"} lines of --train."""
+    """The {"id", "messages"} lines of --train, each ending with the user turn it asks."""
     if not path.is_file():
         raise DataError(f"--train {path}: no such file; pass dflash.data.sharegpt's train_prompts.jsonl")
     prompts = []
     for lineno, raw in iter_lines(path):
-        try:
-            record = json.loads(raw)
-        except json.JSONDecodeError:
-            record = None
-        messages = record.get("messages") if isinstance(record, dict) else None
-        if not (isinstance(messages, list) and messages and isinstance(messages[-1], dict)
-                and messages[-1].get("role") == "user" and isinstance(messages[-1].get("content"), str)):
-            raise DataError(f"{path}:{lineno}: not a prompt line ({{\"id\", \"messages\"}} ending with a user turn); "
+        where = f"{path}:{lineno}"
+        messages = parse_line(raw, where, require_reply=False)
+        if messages[-1]["role"] != "user":
+            raise DataError(f"{where}: not a prompt line ({{\"id\", \"messages\"}} ending with a user turn); "
                             "pass dflash.data.sharegpt's train_prompts.jsonl")
-        prompts.append(record)
+        prompts.append({"id": json.loads(raw).get("id") or f"line{lineno}", "messages": messages})
     return prompts
 
 

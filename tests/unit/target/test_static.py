@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from conftest import tiny_target
-from dflash.target.frozen import TargetError
 from dflash.nn.transformer import attend
+from dflash.target.frozen import TargetError
 from dflash.target.static import StaticTarget, round_up
 
 IDS = torch.tensor([[5, 17, 3, 44, 9, 60, 2, 71]])
