@@ -19,6 +19,7 @@ import torch
 from dflash.data.dataset import TokenDataset, collate
 from dflash.placement.transport import DrafterClient, FeatureBatch
 from dflash.target.frozen import FrozenTarget
+from dflash.target.length_groups import plan_length_groups
 from dflash.util.phases import PhaseClock
 
 
@@ -72,17 +73,22 @@ class RecentBatches:
 
 def compute_features(target: FrozenTarget, dataset: TokenDataset, indices: list[int], pad_id: int,
                      with_final_hidden: bool, clock: PhaseClock | None = None,
-                     cache: FeatureCache | None = None) -> FeatureBatch:
-    """Collate `indices` and run the frozen target over them (or take them from `cache`)."""
+                     cache: FeatureCache | None = None, length_groups: int = 1) -> FeatureBatch:
+    """Collate `indices` and run the frozen target over them (or take them from `cache`), in up to
+    `length_groups` groups of rows of about one length (dflash/target/length_groups.py)."""
     batch = collate(dataset, indices, pad_id)
-    # both copies before the target's forward: a copy queued behind it would wait for all of it
+    cached = cache.lookup(indices, batch["input_ids"].shape[1]) if cache is not None else None
+    groups = plan_length_groups(batch["lengths"].numpy(), length_groups) if cached is None else []
+    # every copy before the target's forward: a copy queued behind it would wait for all of it
     input_ids, loss_mask = batch["input_ids"].to(target.device), batch["loss_mask"].to(target.device)
+    parts = [(batch["input_ids"][torch.from_numpy(g.rows), :g.width].to(target.device),
+              torch.from_numpy(g.rows).to(target.device)) for g in groups] if len(groups) > 1 else []
     if clock is not None:
         clock.mark("data")
-    cached = cache.lookup(indices, input_ids.shape[1]) if cache is not None else None
     reused = cached is not None
     if cached is None:
-        out = target.features(input_ids, with_final_hidden=with_final_hidden)
+        out = (target.features_by_length(parts, tuple(input_ids.shape), with_final_hidden=with_final_hidden)
+               if parts else target.features(input_ids, with_final_hidden=with_final_hidden))
         cached = out.features, out.final_hidden
         if cache is not None:
             cache.store(indices, batch["lengths"], *cached)
@@ -95,9 +101,10 @@ class LocalFeatures:
     """Colocated: the target lives on this rank."""
 
     def __init__(self, target: FrozenTarget, dataset: TokenDataset, pad_id: int, with_final_hidden: bool,
-                 cache: FeatureCache | None = None, recent: RecentBatches | None = None):
+                 cache: FeatureCache | None = None, recent: RecentBatches | None = None, length_groups: int = 1):
         self.target, self.dataset, self.pad_id = target, dataset, pad_id
         self.with_final_hidden, self.cache, self.recent = with_final_hidden, cache, recent
+        self.length_groups = length_groups
 
     def batches(self, schedule: Iterator[tuple[int, list[int]]],
                 clock: PhaseClock | None = None) -> Iterator[tuple[int, list[int], FeatureBatch | None]]:
@@ -110,7 +117,7 @@ class LocalFeatures:
             batch = self.recent.get(indices) if self.recent is not None else None
             if batch is None:
                 batch = compute_features(self.target, self.dataset, indices, self.pad_id, self.with_final_hidden,
-                                         clock, self.cache)
+                                         clock, self.cache, self.length_groups)
                 if self.recent is not None:
                     self.recent.put(indices, batch)
             yield step, indices, batch

@@ -200,13 +200,39 @@ class FrozenTarget:
     def features(self, input_ids: torch.Tensor, with_final_hidden: bool = False) -> TargetOutputs:
         """Features of every position of right-padded `input_ids` [b, S]. Causal attention means
         real tokens never see the padding after them, so no attention mask is needed."""
+        captured, final = self._forward(input_ids, with_final_hidden)
+        return TargetOutputs(features=self._stack(captured), final_hidden=final)
+
+    @torch.no_grad()
+    def features_by_length(self, groups: list[tuple[torch.Tensor, torch.Tensor]], batch_shape: tuple[int, int],
+                           with_final_hidden: bool = False) -> TargetOutputs:
+        """features() of a right-padded [b, S] batch, run group by group (dflash/target/length_groups.py):
+        `groups` holds each group's ids [rows, width], cut to its longest row, and its rows' indices in
+        the batch. A row's positions past its group's width come back as zeros: they are padding,
+        which no block attends to."""
+        b, s = batch_shape
+        features = final = None
+        for ids, rows in groups:
+            captured, last = self._forward(ids, with_final_hidden)
+            width, hidden = ids.shape[1], captured[self.layer_ids[0]].shape[-1]
+            if features is None:
+                features = captured[self.layer_ids[0]].new_zeros(b, s, len(self.layer_ids) * hidden)
+                final = last.new_zeros(b, s, hidden) if last is not None else None
+            for k, layer_id in enumerate(self.layer_ids):  # straight into place: no concatenated copy
+                features[:, :width, k * hidden:(k + 1) * hidden].index_copy_(0, rows, captured[layer_id])
+            if final is not None:
+                final[:, :width].index_copy_(0, rows, last)
+        return TargetOutputs(features=features, final_hidden=final)
+
+    def _forward(self, input_ids: torch.Tensor, with_final_hidden: bool) -> tuple[dict[int, torch.Tensor],
+                                                                                  torch.Tensor | None]:
+        """The feature layers' outputs by layer id, and the final normed hidden state when asked."""
         with self._capture(stop_after_deepest=not with_final_hidden) as captured, sdpa_kernel(self.attention_backends):
             try:
                 out = self.decoder(input_ids=input_ids, use_cache=False)
             except _StopForward:
                 out = None
-        final = out.last_hidden_state if out is not None else None
-        return TargetOutputs(features=self._stack(captured), final_hidden=final)
+        return captured, (out.last_hidden_state if out is not None else None)
 
     @torch.no_grad()
     def decode_step(self, input_ids: torch.Tensor, cache) -> TargetOutputs:

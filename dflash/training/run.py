@@ -181,6 +181,7 @@ def train(config: RunConfig, ranks: RankInfo) -> TrainResult:
     pairs = None if topology.colocated else open_pair_groups(topology.drafter_ranks, topology.target_ranks)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     with_final = config.train.kl_weight > 0
+    groups = config.data.target_length_groups
     layer_ids = dcfg.dflash_config["target_layer_ids"]
     spec = TransportSpec(
         feature_dim=len(layer_ids) * dcfg.hidden_size, hidden_dim=dcfg.hidden_size, with_final_hidden=with_final,
@@ -200,7 +201,8 @@ def train(config: RunConfig, ranks: RankInfo) -> TrainResult:
         with peer_losses_reported(ranks, topology, out_dir, lambda: served.last_step):
             server = TargetServer(
                 ranks.rank, topology.drafter_ranks, spec,
-                lambda indices: compute_features(target, dataset, indices, pad_id, with_final, cache=cache), pairs,
+                lambda indices: compute_features(target, dataset, indices, pad_id, with_final, cache=cache,
+                                                 length_groups=groups), pairs,
                 on_served=served,
             )
             server.serve()  # until every drafter rank says stop; rank 0's routing report has the counts
@@ -208,7 +210,7 @@ def train(config: RunConfig, ranks: RankInfo) -> TrainResult:
     # an echoed micro-batch (--reuse-features) follows its first within one optimizer step's micro-batches
     recent = RecentBatches(config.train.grad_accum) if config.data.reuse_features > 1 else None
     if topology.colocated:
-        source = LocalFeatures(target, dataset, pad_id, with_final, cache, recent)
+        source = LocalFeatures(target, dataset, pad_id, with_final, cache, recent, groups)
     else:
         with peer_losses_reported(ranks, topology, out_dir, lambda: None):
             client = DrafterClient(ranks.rank, topology.target_ranks, spec, dataset.lengths, pairs, topology.nodes)

@@ -641,7 +641,9 @@ def test_data_tools_prepare_the_shard_the_run_reuses_and_report_stats(tmp_path, 
     shipped = len(DEMO_TRAIN_DATA.read_text().splitlines())
     assert f"{shipped} samples read, {shipped} kept" in report and "of them trained on" in report
     assert "steps per epoch with 8 drafter rank(s)" in report
-    assert re.search(r"real tokens among a micro-batch.s padded ones: \d+\.\d%", report), report
+    shares = re.search(r"real tokens among a micro-batch.s padded ones: (\d+\.\d)%.*target computes in "
+                       r"--target-length-groups 4: (\d+\.\d)%", report)
+    assert shares and float(shares[1]) <= float(shares[2]) <= 100, report
     assert "trained tokens in repetition loops" in report
     manifest = (out / "data" / "train" / "manifest.json").read_text()
     assert data_main(["prepare", "--output-dir", str(out)]) == 0  # same flags: reused as is
