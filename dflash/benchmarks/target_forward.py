@@ -7,6 +7,11 @@ as training feeds it: ms a forward and prompt tokens/s, with the attention backe
 Each micro-batch holds max-tokens // S rows of a length S drawn between --min-length and
 --max-length (a fresh draw for each backend set, so each sees shapes it has not planned for);
 the target's MLPs and norms are compiled on a GPU as training compiles them.
+
+With --shard (a prepared training shard, <run>/data/train) the micro-batches are the ones the
+sampler draws from it, rows of mixed lengths, each collated, copied and run as training runs it
+(compute_features) once for every --length-groups value (default 1 and 4): ms a micro-batch, real
+tokens/s, and the share of the positions computed that are real.
 """
 
 from __future__ import annotations
@@ -21,9 +26,14 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn.attention import SDPBackend
 
+from dflash.config import DEFAULT_BUCKETS
+from dflash.data.dataset import TokenDataset
+from dflash.data.sampler import RankAwareBucketSampler
+from dflash.placement.features import compute_features
 from dflash.target.frozen import SHAPE_FREE_SDPA, FrozenTarget, default_target_layer_ids, load_target_config
 from dflash.target.gguf import resolve_target
-from dflash.util.cli import cli_parser
+from dflash.target.length_groups import plan_length_groups
+from dflash.util.cli import ConfigError, cli_parser
 from dflash.util.runtime import pick_device, setup_logging, synchronize
 
 logger = logging.getLogger(__name__)
@@ -43,6 +53,10 @@ class TargetForwardArgs:
     seed: int = 0
     device: str = "auto"
     dtype: str = "bfloat16"
+    shard: str | None = field(default=None, metadata={"help": "a prepared training shard (<run>/data/train): its "
+                                                               "sampler's micro-batches instead of random shapes"})
+    length_groups: list[int] = field(default_factory=lambda: [1, 4], metadata={
+        "help": "with --shard: the --target-length-groups values compared on the same micro-batches"})
 
 
 def shapes(args: TargetForwardArgs, seed: int) -> list[tuple[int, int]]:
@@ -70,6 +84,39 @@ def time_forwards(target: FrozenTarget, batches: list[tuple[int, int]], warmup: 
             "tokens_per_second": round(tokens / sum(seconds)), "forwards": len(seconds)}
 
 
+@torch.no_grad()
+def time_shard_batches(target: FrozenTarget, dataset: TokenDataset, batches: list[list[int]], groups: int,
+                       warmup: int) -> dict:
+    """Median ms a micro-batch (collation, copies and the target, as training runs them) and real
+    tokens/s over batches[warmup:], the target run in up to `groups` groups of rows."""
+    seconds, real, computed = [], 0, 0
+    for n, indices in enumerate(batches):
+        synchronize(target.device)
+        start = time.perf_counter()
+        compute_features(target, dataset, indices, 0, with_final_hidden=False, length_groups=groups)
+        synchronize(target.device)
+        if n >= warmup:
+            seconds.append(time.perf_counter() - start)
+            lengths = dataset.lengths[indices]
+            real += int(lengths.sum())
+            computed += sum(len(g.rows) * g.width for g in plan_length_groups(lengths, groups))
+    return {"ms_per_micro_batch_median": round(1e3 * statistics.median(seconds), 3),
+            "real_tokens_per_second": round(real / sum(seconds)), "real_share_of_computed": round(real / computed, 4),
+            "micro_batches": len(seconds)}
+
+
+def shard_batches(args: TargetForwardArgs, dataset: TokenDataset) -> list[list[int]]:
+    """The sampler's first micro-batches of epoch 0, as a one-rank run at --max-tokens draws them."""
+    sampler = RankAwareBucketSampler(dataset.lengths, DEFAULT_BUCKETS, args.max_tokens, num_replicas=1,
+                                     seed=args.seed)
+    sampler.set_epoch(0)
+    batches = [indices for _, indices in sampler.rank_batches(0)][:args.warmup + args.steps]
+    if len(batches) < args.warmup + args.steps:
+        raise ConfigError(f"--shard {args.shard}: {len(batches)} micro-batches of --max-tokens {args.max_tokens}, "
+                          f"fewer than --warmup + --steps = {args.warmup + args.steps}")
+    return batches
+
+
 def main(argv: list[str] | None = None) -> dict:
     (args,) = cli_parser(TargetForwardArgs).parse_args_into_dataclasses(argv)
     setup_logging(0)
@@ -81,10 +128,17 @@ def main(argv: list[str] | None = None) -> dict:
         target.compile_pointwise()
     results = {"target": args.target, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
                else "cpu", "dtype": args.dtype, "max_tokens": args.max_tokens}
-    for n, (name, backends) in enumerate(BACKENDS.items()):
-        target.attention_backends = backends
-        results[name] = time_forwards(target, shapes(args, args.seed + n), args.warmup)
-        logger.info("%s: %s", name, results[name])
+    if args.shard:
+        dataset = TokenDataset(args.shard)
+        batches = shard_batches(args, dataset)
+        for groups in args.length_groups:
+            results[f"length groups {groups}"] = time_shard_batches(target, dataset, batches, groups, args.warmup)
+            logger.info("length groups %d: %s", groups, results[f"length groups {groups}"])
+    else:
+        for n, (name, backends) in enumerate(BACKENDS.items()):
+            target.attention_backends = backends
+            results[name] = time_forwards(target, shapes(args, args.seed + n), args.warmup)
+            logger.info("%s: %s", name, results[name])
     print(json.dumps(results), flush=True)
     return results
 

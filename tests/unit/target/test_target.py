@@ -55,3 +55,19 @@ def test_the_target_forward_benchmark_times_both_backend_sets_on_new_shapes():
                     "--steps", "3", "--warmup", "1", "--dtype", "float32", "--device", "cpu"])
     for name in BACKENDS:
         assert results[name]["forwards"] == 3 and results[name]["tokens_per_second"] > 0
+
+
+def test_the_target_forward_benchmark_compares_length_groups_on_a_shards_micro_batches(tmp_path):
+    """--shard: the sampler's micro-batches of a prepared shard, run whole and in groups (CPU, the
+    demo target): the same micro-batches each time, and the groups compute a larger share of real
+    positions."""
+    from dflash.benchmarks.target_forward import main
+    from dflash.tools.data import main as data_main
+
+    assert data_main(["prepare", "--output-dir", str(tmp_path / "run")]) == 0
+    results = main(["--target", str(DEMO_TARGET_DIR), "--shard", str(tmp_path / "run" / "data" / "train"),
+                    "--max-tokens", "16384", "--steps", "2", "--warmup", "1", "--dtype", "float32", "--device", "cpu"])
+    whole, grouped = results["length groups 1"], results["length groups 4"]
+    assert whole["micro_batches"] == grouped["micro_batches"] == 2
+    assert whole["real_share_of_computed"] < grouped["real_share_of_computed"] <= 1
+    assert grouped["real_tokens_per_second"] > 0 and "flash, efficient, math (training's)" not in results
