@@ -32,7 +32,7 @@ from dflash.data.sampler import RankAwareBucketSampler
 from dflash.placement.features import compute_features
 from dflash.target.frozen import SHAPE_FREE_SDPA, FrozenTarget, default_target_layer_ids, load_target_config
 from dflash.target.gguf import resolve_target
-from dflash.target.length_groups import plan_length_groups
+from dflash.target.length_groups import computed_positions, plan_length_groups
 from dflash.util.cli import ConfigError, cli_parser
 from dflash.util.runtime import pick_device, setup_logging, synchronize
 
@@ -99,7 +99,7 @@ def time_shard_batches(target: FrozenTarget, dataset: TokenDataset, batches: lis
             seconds.append(time.perf_counter() - start)
             lengths = dataset.lengths[indices]
             real += int(lengths.sum())
-            computed += sum(len(g.rows) * g.width for g in plan_length_groups(lengths, groups))
+            computed += computed_positions(plan_length_groups(lengths, groups))
     return {"ms_per_micro_batch_median": round(1e3 * statistics.median(seconds), 3),
             "real_tokens_per_second": round(real / sum(seconds)), "real_share_of_computed": round(real / computed, 4),
             "micro_batches": len(seconds)}

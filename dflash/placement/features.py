@@ -81,8 +81,8 @@ def compute_features(target: FrozenTarget, dataset: TokenDataset, indices: list[
     groups = plan_length_groups(batch["lengths"].numpy(), length_groups) if cached is None else []
     # every copy before the target's forward: a copy queued behind it would wait for all of it
     input_ids, loss_mask = batch["input_ids"].to(target.device), batch["loss_mask"].to(target.device)
-    parts = [(batch["input_ids"][torch.from_numpy(g.rows), :g.width].to(target.device),
-              torch.from_numpy(g.rows).to(target.device)) for g in groups] if len(groups) > 1 else []
+    rows = [torch.from_numpy(g.rows) for g in groups] if len(groups) > 1 else []
+    parts = [(batch["input_ids"][r, :g.width].to(target.device), r.to(target.device)) for r, g in zip(rows, groups)]
     if clock is not None:
         clock.mark("data")
     reused = cached is not None

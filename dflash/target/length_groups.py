@@ -30,6 +30,11 @@ class LengthGroup:
     width: int  # the longest of their lengths: the group's padded width
 
 
+def computed_positions(groups: list[LengthGroup]) -> int:
+    """The positions the target computes for a plan: each group's rows x its width."""
+    return sum(len(group.rows) * group.width for group in groups)
+
+
 def plan_length_groups(lengths, max_groups: int, min_tokens: int | None = None) -> list[LengthGroup]:
     """At most `max_groups` groups of rows that together pad the fewest positions (rows x the group's
     longest), each of at least `min_tokens` padded positions (default MIN_GROUP_TOKENS); the fewest

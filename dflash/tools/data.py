@@ -26,7 +26,7 @@ from dflash.data.tokenization import load_tokenizer
 from dflash.data.tokenizer_match import check_tokenizer_matches_target
 from dflash.target.frozen import TargetError
 from dflash.target.gguf import resolve_target, run_target_dir
-from dflash.target.length_groups import plan_length_groups
+from dflash.target.length_groups import computed_positions, plan_length_groups
 from dflash.training.shard import prepare_train_shard
 from dflash.util.cli import ConfigError, user_error
 from dflash.util.runtime import setup_logging
@@ -98,7 +98,7 @@ def stats_report(config: RunConfig, dataset: TokenDataset) -> str:
             real = sum(int(lengths[b].sum()) for b in batches)
             padded = sum(len(b) * int(lengths[b].max()) for b in batches if b)
             groups = config.data.target_length_groups
-            computed = sum(len(g.rows) * g.width for b in batches if b for g in plan_length_groups(lengths[b], groups))
+            computed = sum(computed_positions(plan_length_groups(lengths[b], groups)) for b in batches if b)
             lines.append(f"real tokens among a micro-batch's padded ones: {real / padded:.1%} "
                          f"(--group-by-length {str(config.data.group_by_length).lower()}); among the positions the "
                          f"target computes in --target-length-groups {groups}: {real / computed:.1%}")

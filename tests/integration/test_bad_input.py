@@ -67,6 +67,7 @@ def test_missing_data_file(capsys, paths):
     (["--lr-schedule", "cosine", "--decay-ratio", "0.3"], "--decay-ratio 0.3: only --lr-schedule wsd uses it"),
     (["--anchors", "every"], "--anchors every"),
     (["--draft-window=-1"], "--draft-window -1"),
+    (["--target-length-groups", "0"], "--target-length-groups 0: use 1 (one forward over the padded micro-batch)"),
     (["--optimizer", "sgd"], "--optimizer sgd: use adamw or muon"),
     (["--attention-backend", "xformers"], "--attention-backend xformers: use auto, sdpa or flex"),
     (["--lr-schedule", "linear"], "--lr-schedule linear"),

@@ -15,12 +15,8 @@ from dflash.data.prepare import prepare_dataset
 from dflash.placement.features import LocalFeatures, compute_features
 from dflash.target import length_groups
 from dflash.target.frozen import FrozenTarget
-from dflash.target.length_groups import MIN_SAVING, plan_length_groups
+from dflash.target.length_groups import MIN_SAVING, computed_positions, plan_length_groups
 from tiny_tokenizer import make_tiny_tokenizer
-
-
-def padded(groups, lengths) -> int:
-    return sum(len(g.rows) * g.width for g in groups)
 
 
 def partitions(items):
@@ -66,7 +62,7 @@ def test_the_plan_pads_within_the_saving_margin_of_the_best_split_of_the_sorted_
     assert all(g.width == lengths[g.rows].max() for g in groups)
     assert len(groups) <= max_groups
     assert len(groups) == 1 or all(len(g.rows) * g.width >= min_tokens for g in groups)
-    assert best <= padded(groups, lengths) <= best + MIN_SAVING * whole
+    assert best <= computed_positions(groups) <= best + MIN_SAVING * whole
     if len(groups) > 1:  # no fewer groups would have done as well
         fewer = [p for p in allowed if len(p) < len(groups)]
         assert min(cost(p, lengths) for p in fewer) > best + MIN_SAVING * whole
@@ -90,7 +86,7 @@ def test_thousands_of_rows_plan_over_evenly_spaced_places():
     lengths = np.random.default_rng(0).integers(10, 770, size=3000)
     groups = plan_length_groups(lengths, 4, 4096)
     assert sorted(np.concatenate([g.rows for g in groups]).tolist()) == list(range(3000))
-    assert len(groups) == 4 and padded(groups, lengths) < 0.7 * 3000 * lengths.max()
+    assert len(groups) == 4 and computed_positions(groups) < 0.7 * 3000 * lengths.max()
 
 
 def grouped_and_whole(tmp_path, monkeypatch, with_final: bool):
