@@ -135,8 +135,8 @@ RECIPE = {"num_draft_layers": 5, "num_target_features": 5, "block_size": 16, "ep
 # their replies several times, so the third of them cut at the length limit are kept as more data
 # (BENCHMARKS.md "Qwen2.5-Coder-0.5B": tau 2.77 at 128 tokens after 13 minutes). Three drafter layers
 # learned as much per GPU-minute as five in probes sharing one GPU, and their decode cycle costs 1.26
-# greedy steps against 1.38 (BENCHMARKS.md "Recipe probes at equal GPU time"); alone on the GPU for 15
-# minutes, five drafted 0.10 more tau at 128 tokens but decoded 1.97x against three's 2.07x.
+# greedy steps against 1.38 (BENCHMARKS.md "Recipe probes at equal GPU time"); alone on the GPU, five
+# (15.3 minutes) drafted 0.10 more tau at 128 tokens than three (13) but decoded 1.97x against 2.07x.
 SMALL = {**RECIPE, "num_draft_layers": 3, "block_size": 8, "max_anchors": 128, "draft_vocab": 32768,
          "cut_replies": "keep"}
 # The demo runs on a laptop CPU, where verifying B tokens costs more than one token's arithmetic
