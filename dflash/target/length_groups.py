@@ -5,7 +5,8 @@ the target computes every padded position: on the 39,081 Qwen2.5-Coder-0.5B repl
 32768, 64% of them are real. Run group by group, each cut to its own longest row, the same rows cost
 fewer positions (4 groups: 88% real, 27% fewer; `python -m dflash.tools.data stats`), while the
 drafter still trains on the micro-batch the sampler drew: its company of samples, and so what it
-learns a step, is unchanged.
+learns a step, is unchanged. It pays on a CPU; on an H100 the smaller forwards took longer than the
+one padded forward (BENCHMARKS.md), so --target-length-groups is 1 unless asked.
 """
 
 from __future__ import annotations
