@@ -19,8 +19,7 @@ the target's replies; the dataset's own replies only serve as context.
 Filters, each counted in the summary. Whole conversations are dropped when they:
   - are malformed (no string id, no list of turns, a turn without string from/value);
   - have a turn from another speaker than human/gpt (system, bing, chatgpt, ...);
-  - do not start with a human turn (empty ones, and most later parts of the long
-    conversations ShareGPT V3 split into '<id>_<n>': they start mid-dialogue);
+  - have no human turn (empty ones);
   - are less than 80% ASCII: mostly other scripts, which an English target (SmolLM2)
     answers poorly, so the drafter would learn little from its replies.
 A human turn makes no prompt when it is:
@@ -38,9 +37,16 @@ A human turn makes no prompt when it is:
     trained on under another conversation's id.
 
 --conversations also writes train_conversations.jsonl: every conversation that passed the
-conversation filters and is not held out, whole, with ShareGPT's own replies (cut before its first
+conversation filters, starts with a human turn and is not held out, whole, with ShareGPT's own replies (cut before its first
 empty turn), as `{"id", "messages"}`: a chat corpus to train a model on (the demo target,
 dflash/demo/chat_corpus.py) that never saw a held-out conversation.
+
+Parts that start mid-dialogue: ShareGPT V3 split its long conversations into '<id>_<n>' parts,
+and most later parts open with the gpt turn that answers the previous part (6,358 of the 17,671).
+Their turns before the first human one are cut, and their human turns make prompts as any
+conversation's do (the first alone, the later ones with the part's turns before them), under their
+own turn numbers, so none is a first turn. They are read after every other conversation: the
+held-out split and every prompt the other conversations make are the same with them as without.
 
 Held-out split, fixed and deterministic: conversations are ranked by a hash of their id
 without the '_<n>' part suffix (so all parts of one ShareGPT conversation fall together), and
@@ -83,8 +89,8 @@ SEPARATORS = re.compile(r"[\s,]*")
 PART_SUFFIX = re.compile(r"_\d+$")
 
 # What each filter drops, as the summary words it (keys of BuildReport.dropped).
-MALFORMED, OTHER_SPEAKER, NOT_HUMAN_FIRST, NOT_ASCII = (
-    "malformed", "another speaker than human/gpt", "not starting with a human turn", "under 80% ASCII")
+MALFORMED, OTHER_SPEAKER, NO_HUMAN_TURN, NOT_ASCII = (
+    "malformed", "another speaker than human/gpt", "with no human turn", "under 80% ASCII")
 EMPTY, SHORT, LONG, LONG_PROMPT, REPEATED = (
     "empty or after an empty turn", "shorter than 20 characters", "longer than --max-chars",
     "prompt longer than --max-prompt-chars", "repeating an earlier prompt")
@@ -124,6 +130,7 @@ class BuildReport:
     dropped: Counter = field(default_factory=Counter)  # filter -> conversations or human turns
     heldout: int = 0  # held-out prompts (one per held-out conversation)
     left_out: int = 0  # ShareGPT conversations (parts) left out of training
+    mid_dialogue: int = 0  # kept parts that start mid-dialogue
     train: int = 0  # train prompts
     train_conversations: int = 0  # whole conversations written with --conversations
 
@@ -181,8 +188,8 @@ def conversation_problem(record: object) -> str | None:
     turns = record["conversations"]
     if any(t["from"] not in SPEAKERS for t in turns):
         return OTHER_SPEAKER
-    if not turns or turns[0]["from"] != "human":
-        return NOT_HUMAN_FIRST
+    if not any(t["from"] == "human" for t in turns):
+        return NO_HUMAN_TURN
     text = "".join(t["value"] for t in turns)
     if not mostly_ascii(text):
         return NOT_ASCII
@@ -192,18 +199,21 @@ def conversation_problem(record: object) -> str | None:
 def turn_prompts(record: dict, args: ShareGPTArgs, seen: set[bytes], dropped: Counter) -> list[Prompt]:
     """One prompt per human turn that passes the turn filters, with every turn before it as
     context; the dropped turns are counted in `dropped`, and `seen` holds the digests of the
-    prompts made so far (the repeat filter)."""
-    messages = [{"role": SPEAKERS[t["from"]], "content": t["value"]} for t in record["conversations"]]
+    prompts made so far (the repeat filter). A part that starts mid-dialogue loses its turns before
+    the first human one; turns keep their numbers in the part."""
+    turns = record["conversations"]
+    start = next(i for i, t in enumerate(turns) if t["from"] == "human")
+    messages = [{"role": SPEAKERS[t["from"]], "content": t["value"]} for t in turns[start:]]
     prompts, chars = [], 0
-    for turn, message in enumerate(messages):
+    for offset, message in enumerate(messages):
         content = message["content"]
         if not content.strip():
-            dropped[EMPTY] += sum(m["role"] == "user" for m in messages[turn:])
+            dropped[EMPTY] += sum(m["role"] == "user" for m in messages[offset:])
             break
         chars += len(content)
         if message["role"] != "user":
             continue
-        prompt = Prompt(record["id"], turn, messages[: turn + 1])
+        prompt = Prompt(record["id"], start + offset, messages[: offset + 1])
         digest = prompt.digest()
         problem = turn_problem(content, chars, args) or (REPEATED if digest in seen else None)
         if problem:
@@ -252,16 +262,21 @@ def build_prompts(args: ShareGPTArgs) -> BuildReport:
     """Read the source, filter, split and write both files; return what happened."""
     check_args(args)
     source = Path(args.source) if args.source else default_source()
-    report, conversations, kept_records, seen = BuildReport(), [], [], set()
+    report, conversations, kept_records, parts, seen = BuildReport(), [], [], [], set()
     records = read_conversations(source, report)
     for record in itertools.islice(records, args.limit or None):
         report.conversations += 1
         problem = conversation_problem(record)
         if problem:
             report.dropped[problem] += 1
+        elif record["conversations"][0]["from"] != "human":
+            parts.append(record)
         else:
             conversations.append((record["id"], turn_prompts(record, args, seen, report.dropped)))
             kept_records.append(record)
+    # Last, so that a part's prompt never takes another conversation's as a repeat.
+    conversations += [(part["id"], turn_prompts(part, args, seen, report.dropped)) for part in parts]
+    report.mid_dialogue = len(parts)
     heldout, train, report.left_out = split_heldout(conversations, args.heldout)
     report.heldout, report.train = len(heldout), len(train)
     out = Path(args.out_dir)
@@ -304,12 +319,13 @@ def check_args(args: ShareGPTArgs) -> None:
 
 def summary(report: BuildReport, out_dir: str, seconds: float) -> list[str]:
     """The lines logged at the end: what was read, what each filter dropped, what was written."""
-    conversation_filters = (MALFORMED, OTHER_SPEAKER, NOT_HUMAN_FIRST, NOT_ASCII)
+    conversation_filters = (MALFORMED, OTHER_SPEAKER, NO_HUMAN_TURN, NOT_ASCII)
     turn_filters = (EMPTY, SHORT, LONG, LONG_PROMPT, REPEATED)
     tail = f" (cut-off file: a partial last one of {report.ignored_tail} characters ignored)"
     return [
         f"read {report.conversations} conversations in {seconds:.1f} s{tail if report.ignored_tail else ''}",
-        "dropped conversations: " + ", ".join(f"{report.dropped[f]} {f}" for f in conversation_filters),
+        "dropped conversations: " + ", ".join(f"{report.dropped[f]} {f}" for f in conversation_filters)
+        + f"; {report.mid_dialogue} kept parts start mid-dialogue",
         "dropped human turns: " + ", ".join(f"{report.dropped[f]} {f}" for f in turn_filters),
         f"{out_dir}/{HELDOUT_FILE}: {report.heldout} prompts (first human turns; {report.left_out} "
         "conversations left out of training)",

@@ -86,6 +86,28 @@ def test_held_out_conversations_and_their_parts_are_never_trained_on(tmp_path):
     assert not any(len(p["messages"]) == 1 and p["messages"][0]["content"] in held_texts for p in train)
 
 
+def test_parts_that_start_mid_dialogue_add_prompts_and_change_nothing_else(tmp_path):
+    whole = [dialogue(f"c{i}_0", humans=2) for i in range(20)]
+    parts = [conversation(f"c{i}_3", turn("gpt", f"the rest of an answer {i}"), turn("human", f"a later question, number {i}"),
+                          turn("gpt", f"answer {i}"), turn("human", f"and one more question {i}")) for i in range(20)]
+    # A part read first that asks what a whole conversation read later asks first: the part's turn is the repeat.
+    echo = conversation("x_5", turn("gpt", "..."), turn("human", "question 0 of c7_0, asked at length"))
+    report, heldout, train = build(tmp_path / "with", [echo, *parts[:10], *whole, *parts[10:]], heldout=4)
+    _, heldout_before, train_before = build(tmp_path / "without", whole, heldout=4)
+
+    assert heldout == heldout_before and train[: len(train_before)] == train_before
+    held = {p["id"].split("_")[0] for p in heldout}
+    added = {p["id"]: p["messages"] for p in train[len(train_before):]}
+    expected = {}
+    for i, part in enumerate(parts):
+        if f"c{i}" not in held:  # every part of a held-out conversation stays out
+            turns = part["conversations"]
+            expected[f"c{i}_3:1"] = as_messages(turns[1:2])  # the leading gpt turn is cut: asked alone
+            expected[f"c{i}_3:3"] = as_messages(turns[1:4])  # with the part's turns before it
+    assert added == expected
+    assert report.mid_dialogue == 21 and report.dropped[sharegpt.REPEATED] == 1
+
+
 def test_train_conversations_are_whole_and_never_held_out(tmp_path):
     records = [dialogue(f"c{i}_0", humans=2) for i in range(30)]
     records += [dialogue(f"c{i}_4", humans=1) for i in range(30)]  # later parts of the same conversations
@@ -136,9 +158,9 @@ def test_each_filter_drops_what_it_says(tmp_path, capfd):
     report, heldout, train = build(tmp_path, records, heldout=1, max_chars=100, max_prompt_chars=250)
 
     assert dict(report.dropped) == {
-        sharegpt.NOT_HUMAN_FIRST: 2, sharegpt.OTHER_SPEAKER: 1, sharegpt.NOT_ASCII: 1, sharegpt.MALFORMED: 1,
+        sharegpt.NO_HUMAN_TURN: 1, sharegpt.OTHER_SPEAKER: 1, sharegpt.NOT_ASCII: 1, sharegpt.MALFORMED: 1,
         sharegpt.SHORT: 1, sharegpt.LONG: 1, sharegpt.LONG_PROMPT: 2, sharegpt.EMPTY: 2, sharegpt.REPEATED: 1}
-    made = ["keep_0:0", "keep_0:2", "keep_0:4", "keep_0:6", "silent_0:0"]
+    made = ["gpt_first_0:1", "keep_0:0", "keep_0:2", "keep_0:4", "keep_0:6", "silent_0:0"]
     held = heldout[0]["id"]
     assert held in ("keep_0:0", "silent_0:0")
     assert sorted(p["id"] for p in train) == [i for i in made if i.split(":")[0] != held.split(":")[0]]
