@@ -17,8 +17,8 @@
 #   SAMPLES=0          train prompts to regenerate and train on (0: all of PROMPTS)
 #   PROMPTS=registry   the train prompts: registry (every prompt of the registry packages, built by
 #                      dflash.data.prompts --n 0: ShareGPT's human turns with their context and its later
-#                      turns asked alone, LeetCode, ChatterBot; 64,742) | sharegpt (ShareGPT's turns with
-#                      their context alone, 42,636) | N (N prompts, the target writing what the registry
+#                      turns asked alone, LeetCode, ChatterBot; 63,671) | sharegpt (ShareGPT's turns with
+#                      their context alone, 41,565) | N (N prompts, the target writing what the registry
 #                      lacks: CODE_SHARE=0.5, MAGPIE_NEW=512 tokens of a user turn it writes)
 #   MAX_NEW=384        reply tokens the target writes per prompt
 #   BATCH_TOKENS=0     regeneration batch cap, rows x (longest prompt + MAX_NEW); 0: sized from the

@@ -6,7 +6,7 @@
 # plus $DATA/leetcode_prompts.jsonl when LEETCODE=1. TRAIN_PROMPTS names the train prompts, by PROMPTS:
 #   sharegpt (the default here)  $DATA/train_prompts.jsonl: ShareGPT's human turns with their context
 #   registry   $DATA/prompts.jsonl: every registry prompt (dflash.data.prompts --n 0: ShareGPT's turns
-#              with context and alone, LeetCode, ChatterBot; 64,742)
+#              with context and alone, LeetCode, ChatterBot; 63,671)
 #   N          $DATA/prompts.jsonl: N prompts from dflash.data.prompts (the registry's, then turns the
 #              target writes; CODE_SHARE of them code requests, default 0.5; MAGPIE_NEW, default 512,
 #              caps a user turn the target writes, in tokens)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from dflash.data.chat_formats import DataError, iter_lines, parse_line
 from dflash.data.prompt_filters import Fingerprint, heldout_index
+from dflash.data.sharegpt import MIN_ALONE_CHARS
 from dflash.util.cli import cli_parser, user_error
 from dflash.util.files import output_file_problem, write_text_durably
 from dflash.util.runtime import setup_logging
@@ -44,7 +45,7 @@ class LaterTurnsArgs:
     out: str = field(metadata={"help": "chat JSONL to write (prompt-only: --prompts of dflash.regenerate)"})
     heldout: list[str] = field(default_factory=list, metadata={
         "help": "chat JSONL files whose user turns no prompt may repeat"})
-    min_chars: int = field(default=50, metadata={
+    min_chars: int = field(default=MIN_ALONE_CHARS, metadata={
         "help": "shortest turn asked alone, in characters (shorter ones lean on their context: 'now in Python')"})
     near_dup: float = field(default=0.6, metadata={
         "help": "a turn this similar to a held-out turn (character 5-gram Jaccard) is dropped"})

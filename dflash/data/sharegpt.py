@@ -37,15 +37,16 @@ A human turn makes no prompt when it is:
     trained on under another conversation's id.
 
 --conversations also writes train_conversations.jsonl: every conversation that passed the
-conversation filters, starts with a human turn and is not held out, whole, with ShareGPT's own replies (cut before its first
-empty turn), as `{"id", "messages"}`: a chat corpus to train a model on (the demo target,
-dflash/demo/chat_corpus.py) that never saw a held-out conversation.
+conversation filters, starts with a human turn and is not held out, whole, with ShareGPT's own
+replies (cut before its first empty turn), as `{"id", "messages"}`: a chat corpus to train a model
+on (the demo target, dflash/demo/chat_corpus.py) that never saw a held-out conversation.
 
 Parts that start mid-dialogue: ShareGPT V3 split its long conversations into '<id>_<n>' parts,
 and most later parts open with the gpt turn that answers the previous part (6,358 of the 17,671).
 Their turns before the first human one are cut, and their human turns make prompts as any
-conversation's do (the first alone, the later ones with the part's turns before them), under their
-own turn numbers, so none is a first turn. They are read after every other conversation: the
+conversation's do (the first alone, so from 50 characters as dflash.data.later_turns asks a turn
+alone; the later ones with the part's turns before them), under their own turn numbers, so none is
+a first turn. They are read after every other conversation: the
 held-out split and every prompt the other conversations make are the same with them as without.
 
 Held-out split, fixed and deterministic: conversations are ranked by a hash of their id
@@ -85,14 +86,18 @@ HELDOUT_FILE = "heldout.jsonl"
 CONVERSATIONS_FILE = "train_conversations.jsonl"
 SPEAKERS = {"human": "user", "gpt": "assistant"}
 MIN_TURN_CHARS = 20
+# A turn asked without the conversation it was written in needs more: shorter ones lean on their
+# context ("now in Python"). Also dflash.data.later_turns' default.
+MIN_ALONE_CHARS = 50
 SEPARATORS = re.compile(r"[\s,]*")
 PART_SUFFIX = re.compile(r"_\d+$")
 
 # What each filter drops, as the summary words it (keys of BuildReport.dropped).
 MALFORMED, OTHER_SPEAKER, NO_HUMAN_TURN, NOT_ASCII = (
     "malformed", "another speaker than human/gpt", "with no human turn", "under 80% ASCII")
-EMPTY, SHORT, LONG, LONG_PROMPT, REPEATED = (
-    "empty or after an empty turn", "shorter than 20 characters", "longer than --max-chars",
+EMPTY, SHORT, SHORT_ALONE, LONG, LONG_PROMPT, REPEATED = (
+    "empty or after an empty turn", "shorter than 20 characters",
+    "opening a part mid-dialogue, shorter than 50 characters", "longer than --max-chars",
     "prompt longer than --max-prompt-chars", "repeating an earlier prompt")
 
 
@@ -215,7 +220,8 @@ def turn_prompts(record: dict, args: ShareGPTArgs, seen: set[bytes], dropped: Co
             continue
         prompt = Prompt(record["id"], start + offset, messages[: offset + 1])
         digest = prompt.digest()
-        problem = turn_problem(content, chars, args) or (REPEATED if digest in seen else None)
+        alone = start > 0 and offset == 0  # a part's first human turn: asked without its context
+        problem = turn_problem(content, chars, args, alone) or (REPEATED if digest in seen else None)
         if problem:
             dropped[problem] += 1
         else:
@@ -224,11 +230,13 @@ def turn_prompts(record: dict, args: ShareGPTArgs, seen: set[bytes], dropped: Co
     return prompts
 
 
-def turn_problem(turn: str, prompt_chars: int, args: ShareGPTArgs) -> str | None:
+def turn_problem(turn: str, prompt_chars: int, args: ShareGPTArgs, alone: bool = False) -> str | None:
     """Why a human turn makes no prompt (a filter's name), or None; `prompt_chars` counts the
     turn and its context."""
     if len(turn) < MIN_TURN_CHARS:
         return SHORT
+    if alone and len(turn) < MIN_ALONE_CHARS:
+        return SHORT_ALONE
     if len(turn) > args.max_chars:
         return LONG
     return LONG_PROMPT if prompt_chars > args.max_prompt_chars else None
@@ -320,7 +328,7 @@ def check_args(args: ShareGPTArgs) -> None:
 def summary(report: BuildReport, out_dir: str, seconds: float) -> list[str]:
     """The lines logged at the end: what was read, what each filter dropped, what was written."""
     conversation_filters = (MALFORMED, OTHER_SPEAKER, NO_HUMAN_TURN, NOT_ASCII)
-    turn_filters = (EMPTY, SHORT, LONG, LONG_PROMPT, REPEATED)
+    turn_filters = (EMPTY, SHORT, SHORT_ALONE, LONG, LONG_PROMPT, REPEATED)
     tail = f" (cut-off file: a partial last one of {report.ignored_tail} characters ignored)"
     return [
         f"read {report.conversations} conversations in {seconds:.1f} s{tail if report.ignored_tail else ''}",

@@ -87,12 +87,16 @@ def test_held_out_conversations_and_their_parts_are_never_trained_on(tmp_path):
 
 
 def test_parts_that_start_mid_dialogue_add_prompts_and_change_nothing_else(tmp_path):
-    whole = [dialogue(f"c{i}_0", humans=2) for i in range(20)]
-    parts = [conversation(f"c{i}_3", turn("gpt", f"the rest of an answer {i}"), turn("human", f"a later question, number {i}"),
+    long_turn = "a question asked at enough length to stand alone as a prompt"
+    whole = [dialogue(f"c{i}_0", humans=2) for i in range(20)] + [conversation("w_0", turn("human", long_turn))]
+    parts = [conversation(f"c{i}_3", turn("gpt", f"the rest of an answer {i}"),
+                          turn("human", f"a later question, number {i}, asked at length enough to stand alone"),
                           turn("gpt", f"answer {i}"), turn("human", f"and one more question {i}")) for i in range(20)]
     # A part read first that asks what a whole conversation read later asks first: the part's turn is the repeat.
-    echo = conversation("x_5", turn("gpt", "..."), turn("human", "question 0 of c7_0, asked at length"))
-    report, heldout, train = build(tmp_path / "with", [echo, *parts[:10], *whole, *parts[10:]], heldout=4)
+    echo = conversation("x_5", turn("gpt", "..."), turn("human", long_turn))
+    # Asked alone, a part's first turn needs 50 characters (it may lean on the context cut before it).
+    terse = conversation("y_2", turn("gpt", "..."), turn("human", "now the same in Python, please"))
+    report, heldout, train = build(tmp_path / "with", [echo, *parts[:10], *whole, terse, *parts[10:]], heldout=4)
     _, heldout_before, train_before = build(tmp_path / "without", whole, heldout=4)
 
     assert heldout == heldout_before and train[: len(train_before)] == train_before
@@ -105,7 +109,8 @@ def test_parts_that_start_mid_dialogue_add_prompts_and_change_nothing_else(tmp_p
             expected[f"c{i}_3:1"] = as_messages(turns[1:2])  # the leading gpt turn is cut: asked alone
             expected[f"c{i}_3:3"] = as_messages(turns[1:4])  # with the part's turns before it
     assert added == expected
-    assert report.mid_dialogue == 21 and report.dropped[sharegpt.REPEATED] == 1
+    assert report.mid_dialogue == 22 and report.dropped[sharegpt.REPEATED] == 1
+    assert report.dropped[sharegpt.SHORT_ALONE] == 1 and report.dropped[sharegpt.SHORT] == 0
 
 
 def test_train_conversations_are_whole_and_never_held_out(tmp_path):
@@ -142,7 +147,7 @@ def test_each_filter_drops_what_it_says(tmp_path, capfd):
     ok = "a question that is long enough"
     records = [
         dialogue("keep_0", humans=4),
-        conversation("gpt_first_0", turn("gpt", "I start mid-dialogue"), turn("human", ok)),
+        conversation("gpt_first_0", turn("gpt", "I start mid-dialogue"), turn("human", ok)),  # alone: too short
         conversation("empty_0"),
         conversation("system_0", turn("system", "be brief"), turn("human", ok)),
         conversation("script_0", turn("human", "это вопрос на другом языке")),  # under 80% ASCII
@@ -159,8 +164,8 @@ def test_each_filter_drops_what_it_says(tmp_path, capfd):
 
     assert dict(report.dropped) == {
         sharegpt.NO_HUMAN_TURN: 1, sharegpt.OTHER_SPEAKER: 1, sharegpt.NOT_ASCII: 1, sharegpt.MALFORMED: 1,
-        sharegpt.SHORT: 1, sharegpt.LONG: 1, sharegpt.LONG_PROMPT: 2, sharegpt.EMPTY: 2, sharegpt.REPEATED: 1}
-    made = ["gpt_first_0:1", "keep_0:0", "keep_0:2", "keep_0:4", "keep_0:6", "silent_0:0"]
+        sharegpt.SHORT: 1, sharegpt.SHORT_ALONE: 1, sharegpt.LONG: 1, sharegpt.LONG_PROMPT: 2, sharegpt.EMPTY: 2, sharegpt.REPEATED: 1}
+    made = ["keep_0:0", "keep_0:2", "keep_0:4", "keep_0:6", "silent_0:0"]
     held = heldout[0]["id"]
     assert held in ("keep_0:0", "silent_0:0")
     assert sorted(p["id"] for p in train) == [i for i in made if i.split(":")[0] != held.split(":")[0]]
