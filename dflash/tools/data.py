@@ -7,8 +7,8 @@
 (so a long preparation does not hold the launched ranks), and de-quantizes a GGUF --target into
 <output-dir>/target-hf for the same reason. `stats` tokenizes too (it needs no target weights), then
 reports the length histogram against the buckets, the loss-token share, what was truncated or skipped,
-anchors per sequence, the share of trained tokens inside repetition loops, and the steps per epoch for
-1 and 8 drafter ranks.
+anchors per sequence, the share of trained tokens inside repetition loops, how much of the replies a
+--draft-vocab holds, and the steps per epoch for 1 and 8 drafter ranks.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from dflash.data.sampler import RankAwareBucketSampler
 from dflash.data.thinking import resolve_thinking
 from dflash.data.tokenization import load_tokenizer
 from dflash.data.tokenizer_match import check_tokenizer_matches_target
+from dflash.drafter.vocab import choose_draft_vocabulary
 from dflash.target.frozen import TargetError
 from dflash.target.gguf import resolve_target, run_target_dir
 from dflash.target.length_groups import computed_positions, plan_length_groups
@@ -58,7 +59,29 @@ def repeated_ngram_share(samples, n: int = LOOP_NGRAM, opening: int = LOOP_OPENI
     return looped / max(total, 1), looped_opening / max(total_opening, 1)
 
 
-def stats_report(config: RunConfig, dataset: TokenDataset) -> str:
+def draft_vocab_shares(samples, vocab_size: int, size: int, always=(), fold: int = 10,
+                       opening: int = LOOP_OPENING) -> tuple[float, float]:
+    """How much of replies it was not chosen on a draft vocabulary of `size` holds: chosen (as
+    training chooses it) on the trained tokens of all (ids, loss mask) samples but every fold-th,
+    the share of those samples' trained tokens it holds, over whole replies and over each reply's
+    first `opening`. A reply token outside it ends a streak, and the held-out replies decoding
+    serves are such replies, so this, not the share in the replies counted, bounds acceptance."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    unseen = []
+    for i, (ids, mask) in enumerate(samples):
+        reply = ids[mask]
+        if i % fold == fold - 1:
+            unseen.append(reply)
+        else:
+            counts += np.bincount(reply, minlength=vocab_size)[:vocab_size]
+    held = np.zeros(vocab_size, dtype=bool)
+    held[choose_draft_vocabulary(counts, size, always).numpy()] = True
+    whole = np.concatenate(unseen) if unseen else np.zeros(0, dtype=np.int64)
+    first = np.concatenate([r[:opening] for r in unseen]) if unseen else whole
+    return float(held[whole].mean()) if len(whole) else 1.0, float(held[first].mean()) if len(first) else 1.0
+
+
+def stats_report(config: RunConfig, dataset: TokenDataset, vocab_size: int, eos_id: int | None) -> str:
     manifest = dataset.manifest
     counts = manifest["stats"]
     lengths = dataset.lengths
@@ -82,6 +105,13 @@ def stats_report(config: RunConfig, dataset: TokenDataset) -> str:
         "in each reply's first {}: {:.1%}".format(LOOP_NGRAM, looped, LOOP_OPENING, looped_opening),
         "buckets (--bucket-boundaries): from length -> sequences, share of tokens",
     ]
+    size = config.model.draft_vocab
+    if size:
+        whole, opening = draft_vocab_shares((dataset[i] for i in range(len(dataset))), vocab_size, size,
+                                            [eos_id] if eos_id is not None else [])
+        lines.insert(-1, f"--draft-vocab {size}: chosen on 9 in 10 samples, it holds {whole:.2%} of the 10th's "
+                         f"reply tokens, {opening:.2%} of each reply's first {LOOP_OPENING} (a token outside it "
+                         "ends a streak)")
     for b, start in enumerate(bounds):
         members = bucket == b
         lines.append(f"  {start:>6}: {int(members.sum()):>8} sequences, {lengths[members].sum() / lengths.sum():6.1%}")
@@ -120,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
         if argv[0] == "prepare":  # a GGUF target's conversion too, which the launched run then reuses
             resolve_target(config.model.target, run_target_dir(config.train.output_dir))
         if argv[0] == "stats":
-            print(stats_report(config, TokenDataset(shard)))
+            # the tokenizer's ids bound the replies' (the target's rows past them are never written)
+            vocab_size = max(len(tokenizer), config.model.draft_vocab or 0)
+            print(stats_report(config, TokenDataset(shard), vocab_size, tokenizer.eos_token_id))
     except (ConfigError, DataError, TargetError) as err:
         return user_error(err)
     return 0

@@ -636,7 +636,7 @@ def test_data_tools_prepare_the_shard_the_run_reuses_and_report_stats(tmp_path, 
     from dflash.tools.data import main as data_main
 
     out = tmp_path / "run"
-    assert data_main(["stats", "--output-dir", str(out), "--target-length-groups", "4"]) == 0
+    assert data_main(["stats", "--output-dir", str(out), "--target-length-groups", "4", "--draft-vocab", "64"]) == 0
     report = capsys.readouterr().out
     shipped = len(DEMO_TRAIN_DATA.read_text().splitlines())
     assert f"{shipped} samples read, {shipped} kept" in report and "of them trained on" in report
@@ -645,6 +645,9 @@ def test_data_tools_prepare_the_shard_the_run_reuses_and_report_stats(tmp_path, 
                        r"--target-length-groups 4: (\d+\.\d)%", report)
     assert shares and float(shares[1]) <= float(shares[2]) <= 100, report
     assert "trained tokens in repetition loops" in report
+    held = re.search(r"--draft-vocab 64: chosen on 9 in 10 samples, it holds (\d+\.\d+)% of the 10th's reply tokens, "
+                     r"(\d+\.\d+)% of each reply's first 128", report)
+    assert held and 0 < float(held[1]) < 100 and 0 < float(held[2]) < 100, report
     manifest = (out / "data" / "train" / "manifest.json").read_text()
     assert data_main(["prepare", "--output-dir", str(out)]) == 0  # same flags: reused as is
     assert "reusing prepared data" in capsys.readouterr().err
@@ -679,3 +682,19 @@ def test_repetition_loops_are_counted_over_trained_tokens_only():
     both = repeated_ngram_share([(ids, mask), (fresh, np.ones(40, dtype=bool))])
     assert both[0] == 13 / 71
     assert repeated_ngram_share([(np.arange(5), np.ones(5, dtype=bool))]) == (0.0, 0.0)  # shorter than a window
+
+
+def test_draft_vocab_shares_are_measured_on_replies_the_vocabulary_was_not_chosen_on():
+    from dflash.tools.data import draft_vocab_shares
+
+    def sample(reply):
+        ids = np.array([7, 7, *reply])  # two prompt tokens, never trained on
+        return ids, np.array([False, False] + [True] * len(reply))
+
+    # Every 3rd sample (the 3rd, the 6th) is measured; the others count 1 five times, 2 four, 3 to 5 once.
+    samples = [sample([1, 1, 2, 3]), sample([1, 2, 4]), sample([1, 9, 9, 2, 1]),
+               sample([2, 1, 5]), sample([1, 2]), sample([9, 1, 1, 1])]
+    assert draft_vocab_shares(samples, vocab_size=12, size=2, fold=3) == (6 / 9, 6 / 9)  # {1, 2}
+    assert draft_vocab_shares(samples, vocab_size=12, size=2, fold=3, opening=2) == (6 / 9, 2 / 4)
+    # The end-of-turn token is always in it, as training chooses it: {9, 1}.
+    assert draft_vocab_shares(samples, vocab_size=12, size=2, always=[9], fold=3) == (8 / 9, 8 / 9)
