@@ -61,11 +61,11 @@ def repeated_ngram_share(samples, n: int = LOOP_NGRAM, opening: int = LOOP_OPENI
 
 def draft_vocab_shares(samples, vocab_size: int, size: int, always=(), fold: int = 10,
                        opening: int = LOOP_OPENING) -> tuple[float, float]:
-    """How much of replies it was not chosen on a draft vocabulary of `size` holds: chosen (as
-    training chooses it) on the trained tokens of all (ids, loss mask) samples but every fold-th,
-    the share of those samples' trained tokens it holds, over whole replies and over each reply's
-    first `opening`. A reply token outside it ends a streak, and the held-out replies decoding
-    serves are such replies, so this, not the share in the replies counted, bounds acceptance."""
+    """The share of reply tokens that a draft vocabulary of `size` holds in replies it was not
+    chosen on: chosen as training chooses it, on the trained tokens of every (ids, loss mask)
+    sample but each fold-th, and measured on those, over whole replies and over each reply's first
+    `opening`. A reply token outside it ends a streak, and decoding meets only such unseen
+    replies, so this share, not the one in the replies counted, bounds acceptance."""
     counts = np.zeros(vocab_size, dtype=np.int64)
     unseen = []
     for i, (ids, mask) in enumerate(samples):
