@@ -78,7 +78,8 @@ def compute_features(target: FrozenTarget, dataset: TokenDataset, indices: list[
     `length_groups` groups of rows of about one length (dflash/target/length_groups.py)."""
     batch = collate(dataset, indices, pad_id)
     cached = cache.lookup(indices, batch["input_ids"].shape[1]) if cache is not None else None
-    groups = plan_length_groups(batch["lengths"].numpy(), length_groups) if cached is None else []
+    planned = cached is None and length_groups > 1
+    groups = plan_length_groups(batch["lengths"].numpy(), length_groups) if planned else []
     # every copy before the target's forward: a copy queued behind it would wait for all of it
     input_ids, loss_mask = batch["input_ids"].to(target.device), batch["loss_mask"].to(target.device)
     rows = [torch.from_numpy(g.rows) for g in groups] if len(groups) > 1 else []

@@ -39,8 +39,9 @@ def computed_positions(groups: list[LengthGroup]) -> int:
 def plan_length_groups(lengths, max_groups: int, min_tokens: int | None = None) -> list[LengthGroup]:
     """At most `max_groups` groups of rows that together pad the fewest positions (rows x the group's
     longest), each of at least `min_tokens` padded positions (default MIN_GROUP_TOKENS); the fewest
-    groups within MIN_SAVING of the best. Rows sorted by length, the best split into contiguous runs by dynamic programming over
-    the places a run may end: every row up to SPLIT_PLACES rows, evenly spaced ones beyond."""
+    groups within MIN_SAVING of the best. Rows sorted by length, the best split into contiguous runs
+    by dynamic programming over the places a run may end: every row up to SPLIT_PLACES rows, evenly
+    spaced ones beyond."""
     lengths = np.asarray(lengths, dtype=np.int64)
     min_tokens = MIN_GROUP_TOKENS if min_tokens is None else min_tokens
     if max_groups < 1:

@@ -164,7 +164,8 @@ def test_each_filter_drops_what_it_says(tmp_path, capfd):
 
     assert dict(report.dropped) == {
         sharegpt.NO_HUMAN_TURN: 1, sharegpt.OTHER_SPEAKER: 1, sharegpt.NOT_ASCII: 1, sharegpt.MALFORMED: 1,
-        sharegpt.SHORT: 1, sharegpt.SHORT_ALONE: 1, sharegpt.LONG: 1, sharegpt.LONG_PROMPT: 2, sharegpt.EMPTY: 2, sharegpt.REPEATED: 1}
+        sharegpt.SHORT: 1, sharegpt.SHORT_ALONE: 1, sharegpt.LONG: 1, sharegpt.LONG_PROMPT: 2, sharegpt.EMPTY: 2,
+        sharegpt.REPEATED: 1}
     made = ["keep_0:0", "keep_0:2", "keep_0:4", "keep_0:6", "silent_0:0"]
     held = heldout[0]["id"]
     assert held in ("keep_0:0", "silent_0:0")
