@@ -91,6 +91,17 @@ def test_partial_step_spreads_over_all_ranks_in_budget():
     assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
 
 
+def test_a_bucket_does_not_end_in_a_one_sample_batch_where_the_one_before_can_share():
+    # in order, 3 x 10 fill a 32-token batch and the 4th is left alone; the last batch takes one
+    lengths = np.array([10, 10, 10, 10])
+    sampler = RankAwareBucketSampler(lengths, [0], 32, num_replicas=1, seed=0, shuffle=False)
+    assert [b for (b,) in epoch_steps(sampler)] == [[0, 1], [2, 3]]
+    # where two do not fit together (2 x 20 > 32), the lone sample stays alone
+    lengths = np.array([10, 10, 10, 20])
+    sampler = RankAwareBucketSampler(lengths, [0], 32, num_replicas=1, seed=0, shuffle=False)
+    assert [b for (b,) in epoch_steps(sampler)] == [[0, 1, 2], [3]]
+
+
 def test_fewer_samples_than_ranks_leaves_empty_batches():
     lengths = np.array([5, 9])
     sampler = RankAwareBucketSampler(lengths, [0], 64, num_replicas=4, seed=0)
