@@ -345,7 +345,7 @@ def pack_batch_sizes(lengths: list[int], max_tokens: int, budget: DraftBudget | 
 def _no_lone_last(sizes: list[int], lengths: list[int], max_tokens: int, budget: DraftBudget | None) -> list[int]:
     """A last batch of one sample takes the sample before it, where both fit and the batch before
     keeps two: a one-row micro-batch makes the compiled drafter layers specialise on batch size 1
-    and compile again mid-run (16-38 s on an H100 or H200, once per run)."""
+    and compile again mid-run (18 s on an H100, once per run)."""
     if len(sizes) < 2 or sizes[-1] != 1 or sizes[-2] < 3:
         return sizes
     widest = max(lengths[-2], lengths[-1])
