@@ -33,6 +33,7 @@ from dflash.drafter.step import DrafterStep, StepSettings
 from dflash.training.memory import (MemoryShapes, WORKSPACE_BYTES, bytes_per_context_token, bytes_per_draft_position,
                                     loss_workspace_bytes)
 from dflash.util.cli import cli_parser
+from dflash.util.runtime import compile_dynamic
 
 # (rows, sequence length, anchors per row) for --memory-sweep: rows and anchors scale draft
 # positions, length scales context tokens; S=3072 up to every position an anchor.
@@ -85,7 +86,7 @@ class Bench:
         fast = args.kernels == "fast"
         if fast and args.compile_layers:
             for layer in self.drafter.layers:
-                layer.compile(dynamic=True)
+                compile_dynamic(layer)
         self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=1e-4, fused=True)
         settings = StepSettings(max_anchors=args.anchors, slot_weights=slot_weights(args.block_size, 7.0),
                                 attention_backend="flex" if fast else "sdpa", fused_loss=fast,

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash.drafter.attention import BlockLayout
+from dflash.util.runtime import compile_dynamic
 
 
 def default_gamma(block_size: int) -> float:
@@ -310,7 +311,7 @@ def compiled(fn):
         if args[0].device.type != "cuda":
             return fn(*args)
         if fn not in _compiled:
-            _compiled[fn] = torch.compile(fn, dynamic=True)
+            _compiled[fn] = compile_dynamic(fn)
         return _compiled[fn](*args)
     return run
 

@@ -36,7 +36,7 @@ from dflash.training.memory import MemoryBudgetError, MemoryShapes, draft_positi
 from dflash.training.schedules import ADAM_BETAS, LRSchedule, planned_total_steps
 from dflash.training.spike import SpikeGuard, StepTally
 from dflash.util.cli import ConfigError
-from dflash.util.runtime import allow_compiled_variants
+from dflash.util.runtime import allow_compiled_variants, compile_dynamic
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ def build_drafter_run(ctx: RankContext) -> DrafterRun:
     if config.model.kernels == "fast" and device.type == "cuda":
         allow_compiled_variants()
         for layer in engine.module.layers:  # fuses the norms, RoPE and SiLU; shapes vary, so dynamic
-            layer.compile(dynamic=True)
+            compile_dynamic(layer)
     if is_main:
         logger.info(
             "drafter %d layers, %.1fM trainable params | features from target layers %s | B=%d A=%d | loss %s, "

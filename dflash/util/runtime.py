@@ -1,6 +1,7 @@
 """What every command sets up first: the device (pick_device) and the log format (setup_logging:
-each record carries its rank; only rank 0 speaks at INFO); and the device helpers the loops share
-(synchronize, HostCopy).
+each record carries its rank; only rank 0 speaks at INFO); the device helpers the loops share
+(synchronize, HostCopy); and how training compiles what runs at every micro-batch's shape
+(compile_dynamic, allow_compiled_variants).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class HostCopy:
 # A training process compiles each drafter layer (and the target's norms and MLPs) with dynamic
 # shapes and still needs several variants of each: gradients on and off (training, the periodic
 # eval), the first layer's input with and without grad, and shapes Inductor specializes (size-1
-# dimensions, size-dependent fusion). On SmolLM2 (`TORCH_LOGS=recompiles`) a drafter layer had 7
+# dimensions; size-dependent fusion, which compile_dynamic turns off). On SmolLM2 (`TORCH_LOGS=recompiles`) a drafter layer had 7
 # variants by step 1,000; at PyTorch's default limit of 8 the closing eval then ran flex attention
 # eagerly. Decoding compiles the drafter's steps once per Decoder (per drafter judged). Past the
 # limit PyTorch runs the function uncompiled: slow, not wrong.
@@ -70,3 +71,30 @@ COMPILED_VARIANTS = 32
 def allow_compiled_variants(limit: int = COMPILED_VARIANTS) -> None:
     """Let each compiled function keep up to `limit` variants (never lowers a higher setting)."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+
+
+# Inductor fuses a norm's backward (row sums for the input's gradient, column sums for its weight's)
+# into one "mix-order" reduction only above some sizes. Under dynamic shapes each size test is a guard,
+# so a micro-batch on its other side compiles the function again, mid-run: on an H200 a 3-layer
+# drafter over Qwen2.5-Coder-0.5B compiled its layers six times, three size classes (rows x positions
+# under 5,852, under 40,960, above) times gradients on and off, the last pair 38 s at an epoch's end,
+# where the small micro-batches are (`TORCH_LOGS=recompiles`). Non-strict mode drops the size tests:
+# one variant serves every size.
+SIZE_FREE_FUSION = "mix_order_reduction_non_strict_mode"
+
+
+def dynamic_compile_options() -> dict:
+    """Inductor options for code compiled once for every shape: no size-dependent fusion guards
+    (empty where this PyTorch has no such setting)."""
+    from torch._inductor import config as inductor_config
+    return {f"triton.{SIZE_FREE_FUSION}": True} if hasattr(inductor_config.triton, SIZE_FREE_FUSION) else {}
+
+
+def compile_dynamic(target):
+    """`target` (a module, compiled in place, or a function, returned compiled) compiled once for all
+    shapes: dynamic, without size-dependent fusion guards."""
+    options = dynamic_compile_options()
+    if isinstance(target, torch.nn.Module):
+        target.compile(dynamic=True, options=options)
+        return target
+    return torch.compile(target, dynamic=True, options=options)

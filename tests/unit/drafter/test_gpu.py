@@ -9,6 +9,7 @@ import torch
 
 from dflash.drafter.attention import BlockLayout, dense_block_mask, flex_block_mask
 from dflash.nn.transformer import attend
+from dflash.util.runtime import compile_dynamic
 
 pytestmark = pytest.mark.gpu
 
@@ -63,7 +64,7 @@ def drafter_step_for(kernels: str, dtype: torch.dtype, kl_weight: float = 0.0):
     fast = kernels == "fast"
     if fast:
         for layer in drafter.layers:
-            layer.compile(dynamic=True)
+            compile_dynamic(layer)
     settings = StepSettings(max_anchors=48, slot_weights=slot_weights(16, 7.0),
                             attention_backend="flex" if fast else "sdpa", fused_loss=fast,
                             lm_head_chunk=100 if fast else 1 << 62, kl_weight=kl_weight)
@@ -128,6 +129,40 @@ def test_fast_training_step_on_a_micro_batch_with_few_anchors():
     for name, grad in naive_grads.items():
         scale = grad.abs().max().clamp(min=1e-6)
         torch.testing.assert_close(fast_grads[name] / scale, grad / scale, rtol=1e-4, atol=1e-4)
+
+
+def test_compiled_drafter_layers_train_micro_batches_of_every_size_on_the_variants_compiled_first():
+    """Inductor fuses a norm's backward only above some sizes; under dynamic shapes each size test
+    became a guard, and a micro-batch on its other side compiled the layers again, mid-run (38 s on
+    an H200 at an epoch's end, where the small micro-batches are). Compiled as training compiles them
+    (compile_dynamic), the layers train micro-batches of 2 to 32 rows (1,536 to 24,576 draft
+    positions through the norms of 256 features: across every size test) on the variants the first
+    micro-batch compiled (the first layer's input without gradient, the others' with)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from dflash.drafter.model import DFlashLayer
+
+    torch._dynamo.reset()
+    step = drafter_step_for("fast", torch.bfloat16)
+    generator = torch.Generator().manual_seed(0)
+
+    def train_on(rows: int) -> None:
+        s = 400
+        ids = torch.randint(0, 999, (rows, s), generator=generator).cuda()
+        loss_mask = torch.zeros(rows, s, dtype=torch.bool, device="cuda")
+        loss_mask[:, 50:] = True  # 350 candidates: every row drafts its 48 anchors x 16 positions
+        features = torch.randn(rows, s, 3 * 256, generator=generator).cuda().to(torch.bfloat16)
+        blocks = step.sample_blocks(ids, loss_mask, torch.Generator().manual_seed(rows))
+        step.loss(blocks, features).loss.backward()
+
+    def layer_variants() -> int:
+        return len(_debug_get_cache_entry_list(DFlashLayer.forward))
+
+    train_on(8)
+    compiled_first = layer_variants()
+    for rows in (2, 32, 3, 16):
+        train_on(rows)
+    assert layer_variants() == compiled_first
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])

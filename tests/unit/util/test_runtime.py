@@ -1,12 +1,14 @@
 """dflash.util.runtime: a training process lets its compiled functions keep more variants than
-PyTorch's default, past which they would silently run uncompiled."""
+PyTorch's default, past which they would silently run uncompiled, and compiles what runs at every
+micro-batch's shape without size-dependent fusion guards (tests/unit/drafter/test_gpu.py shows the
+recompiles they caused are gone)."""
 
 from __future__ import annotations
 
 import torch
 from torch._dynamo.testing import CompileCounter
 
-from dflash.util.runtime import COMPILED_VARIANTS, allow_compiled_variants
+from dflash.util.runtime import COMPILED_VARIANTS, allow_compiled_variants, compile_dynamic, dynamic_compile_options
 
 
 def compiled_shapes(shapes: int) -> int:
@@ -29,3 +31,12 @@ def test_compiled_functions_keep_more_variants_than_the_default_limit(monkeypatc
     allow_compiled_variants()  # a user's higher setting stays
     assert torch._dynamo.config.recompile_limit == 100
     torch._dynamo.reset()
+
+
+def test_code_compiled_for_every_shape_asks_inductor_for_size_free_fusion():
+    """The pinned PyTorch has the setting (were it renamed, compiles would silently guard on sizes
+    again), and Inductor accepts the options: it checks their names when it wraps a function or module."""
+    assert dynamic_compile_options() == {"triton.mix_order_reduction_non_strict_mode": True}
+    layer = compile_dynamic(torch.nn.Linear(2, 2))
+    assert isinstance(layer, torch.nn.Linear)
+    assert callable(compile_dynamic(lambda x: x * 2))
