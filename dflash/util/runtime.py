@@ -61,10 +61,11 @@ class HostCopy:
 # A training process compiles each drafter layer (and the target's norms and MLPs) with dynamic
 # shapes and still needs several variants of each: gradients on and off (training, the periodic
 # eval), the first layer's input with and without grad, and shapes Inductor specializes (size-1
-# dimensions; size-dependent fusion, which compile_dynamic turns off). On SmolLM2 (`TORCH_LOGS=recompiles`) a drafter layer had 7
-# variants by step 1,000; at PyTorch's default limit of 8 the closing eval then ran flex attention
-# eagerly. Decoding compiles the drafter's steps once per Decoder (per drafter judged). Past the
-# limit PyTorch runs the function uncompiled: slow, not wrong.
+# dimensions; size-dependent fusion, which compile_dynamic turns off). On SmolLM2
+# (`TORCH_LOGS=recompiles`) a drafter layer had 7 variants by step 1,000; at PyTorch's default
+# limit of 8 the closing eval then ran flex attention eagerly. Decoding compiles the drafter's
+# steps once per Decoder (per drafter judged). Past the limit PyTorch runs the function
+# uncompiled: slow, not wrong.
 COMPILED_VARIANTS = 32
 
 
