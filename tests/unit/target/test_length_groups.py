@@ -153,6 +153,8 @@ def test_grouped_features_on_a_gpu_match_one_forward_in_bfloat16(tmp_path, monke
     parts = [(ids[torch.from_numpy(g.rows), :g.width].cuda(), torch.from_numpy(g.rows).cuda()) for g in plan]
     grouped = target.features_by_length(parts, tuple(ids.shape)).features
     whole = target.features(ids.cuda()).features
+    width = {int(row): g.width for g in plan for row in g.rows}
+    assert min(width.values()) < max(lengths)
     for row, n in enumerate(lengths):
         torch.testing.assert_close(grouped[row, :n], whole[row, :n], rtol=2e-2, atol=2e-2)
-        assert not grouped[row, n:].any()
+        assert not grouped[row, width[row]:].any(), "positions past a row's group width are zeros"
