@@ -145,6 +145,9 @@ class ContinuousBatch:
         # where the batch's time goes (CUDA events: nothing waits), logged when it ends
         self.clock = PhaseClock(device)
         self.steps, self.live_row_steps, self.prompt_tokens = 0, 0, 0
+        # key columns the decode steps' attention read, and those inside a live row's context:
+        # every row reads the batch's span, so the rest is padding past shorter rows
+        self.columns_read, self.columns_live = 0, 0
 
     @torch.no_grad()
     def run(self, prompts: dict[int, list[int]], order: list[int]) -> Iterator[tuple[list[int], list[Reply]]]:
@@ -174,16 +177,19 @@ class ContinuousBatch:
         split = self.clock.split()
         decode = split.get("decode", 0.0)
         logger.info("batch of %d rows x %d columns done: prefill %.1f s (%d prompt tokens, %.0f/s), decode %.1f s "
-                    "(%d steps, %.2f ms a step, %.0f live rows a step on average, graph captures included), "
-                    "collect %.1f s", rows, self.static.capacity, split.get("prefill", 0.0),
+                    "(%d steps, %.2f ms a step, %.0f live rows a step on average, graph captures included; "
+                    "%.0f%% of the key columns its attention read were a live row's context), collect %.1f s",
+                    rows, self.static.capacity, split.get("prefill", 0.0),
                     self.prompt_tokens, self.prompt_tokens / max(split.get("prefill", 0.0), 1e-9), decode,
                     self.steps, 1e3 * decode / max(self.steps, 1), self.live_row_steps / max(self.steps, 1),
-                    split.get("collect", 0.0))
+                    100 * self.columns_live / max(self.columns_read, 1), split.get("collect", 0.0))
 
     def step(self) -> None:
         self.steps += 1
         self.live_row_steps += int(self.host_live.sum())
         end = int(self.host_columns.max()) + 1
+        self.columns_read += self.static.batch * self.static.attended_columns(end)
+        self.columns_live += int((self.host_columns + 1) @ self.host_live)  # a row at column c reads c + 1 keys
         choice = self.static.step_rows(self.ids, self.columns, end)
         self.replies.scatter_(1, self.made[:, None], choice)
         self.stopped |= torch.isin(choice[:, 0], self.stops)

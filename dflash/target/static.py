@@ -161,7 +161,8 @@ class StaticTarget:
         if not self.graphs.enabled:
             return
         zeros = torch.zeros((self.batch, max(prompt, tokens)), dtype=torch.long, device=self.target.device)
-        for span in sorted({self._span(column) for column in [*range(prompt + tokens, end, SPAN_STEP), end]}):
+        ends = [*range(prompt + tokens, end, SPAN_STEP), end]
+        for span in sorted({self.attended_columns(column) for column in ends}):
             if (tokens, span) not in self.graphs:
                 self.step(zeros[:, :tokens], span - tokens)
         if self.prefill_step and (self.batch, self._padded(prompt)) not in self._prompts:
@@ -175,7 +176,7 @@ class StaticTarget:
         each [batch, T], features [batch, T, K*D]). Replays one CUDA graph per T and span of used
         columns; the outputs are overwritten by the next replay."""
         self._at(start, ids)
-        span = self._span(start + ids.shape[1])
+        span = self.attended_columns(start + ids.shape[1])
         if not self.graphs.enabled:
             return self._forward(ids, self._shared_columns(ids.shape), span, features=True)
         if ids.shape[1] not in self._inputs:  # made once: a replay queues nothing else but its input's copy
@@ -193,7 +194,7 @@ class StaticTarget:
         if start + ids.shape[1] > self.capacity:
             raise ValueError(f"decoding past the cache: {start + ids.shape[1]} > {self.capacity} columns")
         columns = (start + self.columns[: ids.shape[1]])[None].expand(ids.shape[0], -1)
-        span = None if start == 0 else self._span(start + ids.shape[1])
+        span = None if start == 0 else self.attended_columns(start + ids.shape[1])
         choice, _ = self._forward(ids, columns, span, rows=rows, last=last)
         return choice
 
@@ -204,7 +205,7 @@ class StaticTarget:
         graph per span; the output is overwritten by the next replay."""
         if end > self.capacity:
             raise ValueError(f"decoding past the cache: column {end - 1} >= {self.capacity} columns")
-        span = self._span(end)
+        span = self.attended_columns(end)
         buffer = self._inputs.setdefault(-1, torch.zeros_like(ids))
         buffer.copy_(ids)
         self._row_columns.copy_(columns)
@@ -220,7 +221,9 @@ class StaticTarget:
         """Columns [b, T] of a forward at the same columns in every row, from start (a buffer)."""
         return (self._start + self.columns[: shape[1]])[None].expand(shape[0], -1)
 
-    def _span(self, end: int) -> int:
+    def attended_columns(self, end: int) -> int:
+        """The cache columns every row's attention reads in a forward whose columns end before
+        `end`: the used span, rounded up to SPAN_STEP, whatever each row's own length."""
         return min(self.capacity, round_up(end, SPAN_STEP))
 
     def _masks(self, queries: torch.Tensor, keys: torch.Tensor, dtype: torch.dtype, repeat: int) -> list[torch.Tensor]:

@@ -269,10 +269,31 @@ def test_continuous_batching_refills_ended_rows_and_keeps_each_prompts_greedy_re
     assert kept and kept == sorted(kept, reverse=True) and kept[-1] < 4
     # each batch's time split: every prompt token prefilled, the steps in whole STOP_CHECK_EVERYs
     splits = re.findall(r"batch of \d rows x \d+ columns done: prefill [\d.]+ s \((\d+) prompt tokens.*decode [\d.]+ s "
-                        r"\((\d+) steps, [\d.]+ ms a step, ([\d.]+) live rows", caplog.text)
+                        r"\((\d+) steps, [\d.]+ ms a step, ([\d.]+) live rows.* (\d+)% of the key columns",
+                        caplog.text)
     assert splits, caplog.text[-2000:]
-    assert sum(int(tokens) for tokens, _, _ in splits) == sum(map(len, prompts.values()))
-    assert all(int(steps) % generate.STOP_CHECK_EVERY == 0 and 0 < float(live) <= 4 for _, steps, live in splits)
+    assert sum(int(tokens) for tokens, _, _, _ in splits) == sum(map(len, prompts.values()))
+    assert all(int(steps) % generate.STOP_CHECK_EVERY == 0 and 0 < float(live) <= 4 for _, steps, live, _ in splits)
+    assert all(0 < int(share) <= 100 for *_, share in splits)
+
+
+def test_a_batch_counts_the_key_columns_its_attention_reads_and_those_of_live_contexts():
+    """Every row reads the batch's span (the longest row's, rounded up to SPAN_STEP); a row at
+    column c needs c + 1 of them. Rows of 5 and 40 prompt tokens, then one released."""
+    from dflash.target.generate import ContinuousBatch
+    from dflash.target.memory import BatchPlan
+    from dflash.target.static import SPAN_STEP
+
+    target = tiny_target("llama", dtype=torch.float32)
+    plan = BatchPlan(rows=3, prefill_tokens=64, prefill_rows=3, peak_bytes=0, report="")
+    batch = ContinuousBatch(target, 3, 2 * SPAN_STEP, plan, max_new_tokens=8, stop_ids=set(), sampling=None,
+                            compiled=False)
+    batch.fill([0, 1], [0, 1], {0: [3, 4, 5, 6, 7], 1: list(range(2, 42))})
+    batch.step()
+    assert (batch.columns_read, batch.columns_live) == (3 * SPAN_STEP, 6 + 41)
+    batch.release([1])
+    batch.step()
+    assert (batch.columns_read, batch.columns_live) == (6 * SPAN_STEP, 6 + 41 + 7)
 
 
 def test_decode_attention_alternatives_compute_what_the_static_target_calls():
