@@ -1,7 +1,8 @@
 """Attention of one batched decode step over a static KV cache: the part of a regeneration step
-that takes 80% of its GPU time (BENCHMARKS.md "Real target"). Times the call StaticTarget makes
-(SDPA with an additive mask, the query heads that share a key/value head as rows of it) against
-other ways to compute the same thing, in ms per layer and GB/s of KV cache read.
+that takes 80% of its GPU time (BENCHMARKS.md "Real target"). Times the calls StaticTarget makes
+(SDPA with an additive mask over the batch's span, the query heads that share a key/value head as
+rows of it; on a GPU with the kernel, FlashAttention reading each row's own columns: LiveColumns)
+against other ways to compute the same thing, in ms per layer and GB/s of the span's KV cache.
 
     python -m dflash.benchmarks.decode_attention                      # SmolLM2-135M's heads
     python -m dflash.benchmarks.decode_attention --shapes 1024x768,341x2560 --kv-heads 8 --group 4 --head-dim 128
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.nn.transformer import attend
+from dflash.nn.transformer import LiveColumns, attend, live_columns_supported
 from dflash.util.cli import cli_parser
 from dflash.util.runtime import pick_device, setup_logging
 
@@ -47,7 +48,7 @@ def decode_inputs(rows: int, span: int, kv_heads: int, group: int, head_dim: int
 
 
 def sdpa(x: dict) -> torch.Tensor:
-    """StaticTarget's call."""
+    """StaticTarget's call under the span mask (on a CPU, or without FlashAttention's kernel)."""
     return attend(x["q"], x["k"], x["v"], x["mask"], x["scale"])
 
 
@@ -86,14 +87,22 @@ def flex(x: dict) -> Callable[[dict], torch.Tensor] | None:
     return run
 
 
-def implementations(device: torch.device) -> dict[str, Callable]:
+def live_columns(x: dict) -> torch.Tensor:
+    """FlashAttention's variable-length kernel reading each row's own columns (LiveColumns: what
+    StaticTarget runs for rows at their own columns where the kernel exists)."""
+    return attend(x["q"], x["k"], x["v"], LiveColumns(x["ends"].to(torch.int32)), x["scale"])
+
+
+def implementations(device: torch.device, dtype: torch.dtype, head_dim: int) -> dict[str, Callable]:
     """name -> (inputs -> run(inputs)); the first is the reference."""
-    found = {"sdpa (StaticTarget)": lambda x: sdpa, "matmul + softmax": lambda x: matmul_softmax}
+    found = {"sdpa (span mask)": lambda x: sdpa, "matmul + softmax": lambda x: matmul_softmax}
     if device.type == "cuda":
         from torch.nn.attention import SDPBackend
 
         found["sdpa, efficient backend"] = lambda x: sdpa_backend(SDPBackend.EFFICIENT_ATTENTION)
         found["flex attention"] = flex
+    if live_columns_supported(device, dtype, head_dim, sliding=False):
+        found["flash varlen (LiveColumns)"] = lambda x: live_columns
     return found
 
 
@@ -123,7 +132,7 @@ def compare(shapes: list[tuple[int, int]], kv_heads: int, group: int, head_dim: 
         x = decode_inputs(rows, span, kv_heads, group, head_dim, device, dtype)
         cache_bytes = 2 * x["k"].numel() * x["k"].element_size()
         reference = None
-        for name, build in implementations(device).items():
+        for name, build in implementations(device, dtype, head_dim).items():
             run = build(x)
             out = run(x)
             reference = out if reference is None else reference

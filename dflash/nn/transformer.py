@@ -5,6 +5,8 @@ to HF's numbers; the drafter's layers and the target's fast decoder both run the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -77,14 +79,75 @@ def _flex_attention():
     return _compiled_flex
 
 
+@dataclass(frozen=True)
+class LiveColumns:
+    """A mask for rows of one query token that each attend over their own first `lengths[b]`
+    columns of a cache [b, Hkv, capacity, d] (batched regeneration: rows at their own columns).
+    An additive mask over the batch's span reads every row's keys up to the longest row's; this
+    runs FlashAttention's variable-length kernel (flash_varlen) with a key count per row, which
+    reads a row's own columns only."""
+
+    lengths: torch.Tensor  # [b] int32: keys each row sees (its column + 1)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+        """q in attend's decoding layout [b, Hkv, group, d] over the whole caches k, v [b, Hkv,
+        capacity, d] -> [b, Hkv, group, d]. The query heads of one key/value head go in as `group`
+        query tokens of its sequence, so the kernel reads each key once for all of them. The
+        caches go in without a copy: sequence b starts at row b x Hkv x capacity of a strided view
+        whose head stride is capacity x d."""
+        b, hkv, group, d = q.shape
+        capacity = k.shape[2]
+        for cache in (k, v):
+            if cache.stride() != (hkv * capacity * d, capacity * d, d, 1):
+                raise ValueError(f"LiveColumns needs caches laid out [b, Hkv, capacity, d]; strides {cache.stride()}")
+        queries = q.transpose(1, 2).reshape(b * group, hkv, d)
+
+        def packed(cache: torch.Tensor) -> torch.Tensor:
+            rows = (b - 1) * hkv * capacity + capacity  # the last sequence's columns end the storage
+            return cache.as_strided((rows, hkv, d), (d, capacity * d, 1), cache.storage_offset())
+
+        device = q.device
+        starts_q = torch.arange(0, (b + 1) * group, group, dtype=torch.int32, device=device)
+        starts_k = torch.arange(0, (b + 1) * hkv * capacity, hkv * capacity, dtype=torch.int32, device=device)
+        out = flash_varlen(queries, packed(k), packed(v), starts_q, starts_k, group, capacity, scale, self.lengths)
+        return out.view(b, group, hkv, d).transpose(1, 2)
+
+
+def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts_q: torch.Tensor, starts_k: torch.Tensor,
+                 max_q: int, max_k: int, scale: float | None, used_k: torch.Tensor) -> torch.Tensor:
+    """FlashAttention over packed sequences, not causal: sequence i's queries are rows
+    starts_q[i]..starts_q[i + 1] - 1 of q [rows, H, d], its keys/values the first used_k[i] rows
+    from starts_k[i] of k, v [rows, Hkv, d] (any row and head strides)."""
+    return torch.ops.aten._flash_attention_forward(q, k, v, starts_q, starts_k, max_q, max_k, 0.0, False, False,
+                                                   scale=scale, seqused_k=used_k)[0]
+
+
+def live_columns_supported(device: torch.device, dtype: torch.dtype, head_dim: int, sliding: bool) -> bool:
+    """Where LiveColumns runs: FlashAttention's kernel (NVIDIA GPUs from Ampere on, 16-bit, head
+    dims that are a multiple of 8 up to 256) in a PyTorch whose op takes per-row key counts; no
+    sliding windows (its window would count from each query token, and a row's query heads come
+    in as tokens)."""
+    if device.type != "cuda" or torch.version.hip or dtype not in (torch.bfloat16, torch.float16) or sliding:
+        return False
+    if head_dim % 8 or head_dim > 256 or not torch.backends.cuda.flash_sdp_enabled():
+        return False
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return False
+    schema = str(torch.ops.aten._flash_attention_forward.default._schema)
+    return "seqused_k" in schema
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, scale: float | None = None) -> torch.Tensor:
     """Attention of queries q [b, Hq, T, d] over keys/values [b, Hkv, S, d], query head h served
     by key/value head h // (Hq / Hkv), as HF's repeat_kv does; scale defaults to d ** -0.5.
-    `mask`: None, a tensor for SDPA [b, 1, T, S] (boolean, True = may attend, or additive), or a
-    flex-attention BlockMask (CUDA). Decoding passes the query heads that share a key/value head
-    as rows of it, q [b, Hkv, group x T, d] (a reshape of [b, Hq, T, d]; row r x T + t is head
-    g x group + r at position t) under a mask of as many rows: no copy of the keys/values per head,
-    and SDPA's fused kernels take it (with grouped heads and a mask they fall back to math)."""
+    `mask`: None, a tensor for SDPA [b, 1, T, S] (boolean, True = may attend, or additive), a
+    flex-attention BlockMask (CUDA), or LiveColumns (CUDA; k and v the whole caches). Decoding
+    passes the query heads that share a key/value head as rows of it, q [b, Hkv, group x T, d] (a
+    reshape of [b, Hq, T, d]; row r x T + t is head g x group + r at position t) under a mask of
+    as many rows: no copy of the keys/values per head, and SDPA's fused kernels take it (with
+    grouped heads and a mask they fall back to math)."""
+    if isinstance(mask, LiveColumns):
+        return mask.attend(q, k, v, scale)
     if mask is None or isinstance(mask, torch.Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     if torch.compiler.is_compiling():

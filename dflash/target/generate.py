@@ -188,8 +188,11 @@ class ContinuousBatch:
         self.steps += 1
         self.live_row_steps += int(self.host_live.sum())
         end = int(self.host_columns.max()) + 1
-        self.columns_read += self.static.batch * self.static.attended_columns(end)
         self.columns_live += int((self.host_columns + 1) @ self.host_live)  # a row at column c reads c + 1 keys
+        if self.static.live_columns:  # each row reads its own keys, a released row (column 0) one
+            self.columns_read += int(self.host_columns.sum()) + self.static.batch
+        else:
+            self.columns_read += self.static.batch * self.static.attended_columns(end)
         choice = self.static.step_rows(self.ids, self.columns, end)
         self.replies.scatter_(1, self.made[:, None], choice)
         self.stopped |= torch.isin(choice[:, 0], self.stops)

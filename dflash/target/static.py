@@ -4,7 +4,9 @@ HF's DynamicCache grows by concatenation, so every step has new shapes and runs 
 Python. Here each layer's keys/values live in a buffer of fixed capacity: a forward of T new
 tokens writes them at cache columns start..start+T-1 of its row (rows may be at different
 columns) and attends over the used columns under a mask (a column is visible when it is at or
-before the query's column and, on sliding layers, inside the window). Fixed shapes let a step be
+before the query's column and, on sliding layers, inside the window); rows of one new token at
+their own columns (batched regeneration) read only their own keys where FlashAttention's
+variable-length kernel exists (LiveColumns: a CUDA 16-bit target without sliding layers). Fixed shapes let a step be
 replayed as a CUDA graph, and a prompt padded at its end to a multiple of PREFILL_STEP lets its
 prefill be one too. Nothing is ever cropped: a rejected draft's columns are masked for every later
 query and rewritten before they become visible again. A step is bound by its kernel count, so
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
-from dflash.nn.transformer import attend, rms_norm, rotate
+from dflash.nn.transformer import LiveColumns, attend, live_columns_supported, rms_norm, rotate
 from dflash.target.frozen import SHAPE_FREE_SDPA, FrozenTarget, TargetError
 from dflash.target.graphs import GraphReplays
 from dflash.target.sampling import Sampling
@@ -102,6 +104,8 @@ class StaticTarget:
         # Mistral names no layer types: with a window set, every layer slides.
         layer_types = getattr(config, "layer_types", None) or ["sliding_attention"] * len(target.layers)
         self.windows = [window if kind == "sliding_attention" else 0 for kind in layer_types]
+        # rows at their own columns (step_rows) read only their own keys, where the kernel exists
+        self.live_columns = live_columns_supported(device, dtype, attention.head_dim, any(self.windows))
         self.feature_layers = set(target.layer_ids)
         self.columns = torch.arange(self.capacity, device=device)
         self._start = torch.zeros((), dtype=torch.long, device=device)
@@ -205,7 +209,7 @@ class StaticTarget:
         graph per span; the output is overwritten by the next replay."""
         if end > self.capacity:
             raise ValueError(f"decoding past the cache: column {end - 1} >= {self.capacity} columns")
-        span = self.attended_columns(end)
+        span = self.capacity if self.live_columns else self.attended_columns(end)  # live: one graph for all
         buffer = self._inputs.setdefault(-1, torch.zeros_like(ids))
         buffer.copy_(ids)
         self._row_columns.copy_(columns)
@@ -254,7 +258,12 @@ class StaticTarget:
         half = cos.shape[-1] // 2
         cos, sin = cos[:, None], torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)[:, None]
         keys = columns if span is None else self.columns[None, :span]
-        if span is None and not any(self.windows):  # a fresh prompt over itself: causal, no mask (finish_layer)
+        live = (self.live_columns and span is not None and rows is None and not shared and not compiled
+                and ids.shape[1] == 1)
+        if live:  # rows at their own columns: each reads its own keys (the whole caches go in)
+            masks = [LiveColumns((columns[:, 0] + 1).to(torch.int32))] * len(target.layers)
+            span = self.capacity
+        elif span is None and not any(self.windows):  # a fresh prompt over itself: causal, no mask (finish_layer)
             masks = [None] * len(target.layers)
         else:
             masks = self._masks(columns, keys, x.dtype, target.model.config.num_attention_heads // self.keys.shape[2])

@@ -15,7 +15,8 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.qwen3.modeling_qwen3 import (Qwen3RMSNorm, Qwen3RotaryEmbedding, apply_rotary_pos_emb,
                                                       eager_attention_forward)
 
-from dflash.nn.transformer import RMSNorm, RotaryAngles, attend, rms_norm, rotate, signed_sin
+from conftest import flash_varlen_stand_in
+from dflash.nn.transformer import LiveColumns, RMSNorm, RotaryAngles, attend, rms_norm, rotate, signed_sin
 
 TIGHT = dict(rtol=1e-12, atol=1e-12)
 
@@ -101,3 +102,25 @@ def test_grouped_query_attention_equals_hf_eager_attention_with_repeat_kv(scale)
     rows = q.reshape(b, hkv, group * t, d)  # decoding: the heads of one key/value head as its rows
     by_rows = attend(rows, k, v, additive.repeat(1, 1, group, 1), scale).reshape(b, hq, t, d)
     torch.testing.assert_close(by_rows, expected, **SOFTMAX_FP32)
+
+
+def test_rows_reading_only_their_live_columns_attend_as_under_the_span_mask(monkeypatch):
+    """LiveColumns hands the kernel the caches as strided views (sequence b from row b x Hkv x
+    capacity): each row's query heads see its first lengths[b] columns, as the additive mask does,
+    for one layer's caches inside a bigger buffer of fewer rows than it was made with."""
+    import dflash.nn.transformer as transformer
+
+    monkeypatch.setattr(transformer, "flash_varlen", flash_varlen_stand_in)
+    layers, made_rows, b, hkv, group, capacity, d = 3, 5, 4, 2, 3, 32, 8
+    g = torch.Generator().manual_seed(3)
+    shape = (layers, made_rows, hkv, capacity, d)
+    keys, values = (torch.randn(shape, dtype=torch.float64, generator=g) for _ in range(2))
+    k, v = keys[:, :b][1], values[:, :b][1]  # as StaticTarget.keep_rows leaves them
+    q = torch.randn(b, hkv, group, d, dtype=torch.float64, generator=g)
+    lengths = torch.tensor([5, capacity, 1, 17], dtype=torch.int32)
+    sees = torch.arange(capacity)[None] < lengths[:, None]
+    additive = torch.zeros(b, 1, group, capacity, dtype=torch.float64).masked_fill_(~sees[:, None, None], float("-inf"))
+    live = attend(q, k, v, LiveColumns(lengths), 0.3)
+    torch.testing.assert_close(live, attend(q, k, v, additive, 0.3), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="laid out"):
+        attend(q, k[:, :, :16], v[:, :, :16], LiveColumns(lengths), 0.3)  # a span slice is not the whole cache

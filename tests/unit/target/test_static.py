@@ -277,33 +277,98 @@ def test_continuous_batching_refills_ended_rows_and_keeps_each_prompts_greedy_re
     assert all(0 < int(share) <= 100 for *_, share in splits)
 
 
-def test_a_batch_counts_the_key_columns_its_attention_reads_and_those_of_live_contexts():
-    """Every row reads the batch's span (the longest row's, rounded up to SPAN_STEP); a row at
-    column c needs c + 1 of them. Rows of 5 and 40 prompt tokens, then one released."""
+@pytest.mark.parametrize("live_columns", [False, True])
+def test_a_batch_counts_the_key_columns_its_attention_reads_and_those_of_live_contexts(live_columns, monkeypatch):
+    """Under the span mask every row reads the batch's span (the longest row's, rounded up to
+    SPAN_STEP); with LiveColumns a row at column c reads its c + 1 keys, which is what a live row
+    needs. Rows of 5 and 40 prompt tokens and an empty one, then one released."""
+    import dflash.nn.transformer as transformer
+    from conftest import flash_varlen_stand_in
     from dflash.target.generate import ContinuousBatch
     from dflash.target.memory import BatchPlan
     from dflash.target.static import SPAN_STEP
 
+    monkeypatch.setattr(transformer, "flash_varlen", flash_varlen_stand_in)
     target = tiny_target("llama", dtype=torch.float32)
     plan = BatchPlan(rows=3, prefill_tokens=64, prefill_rows=3, peak_bytes=0, report="")
     batch = ContinuousBatch(target, 3, 2 * SPAN_STEP, plan, max_new_tokens=8, stop_ids=set(), sampling=None,
                             compiled=False)
+    batch.static.live_columns = live_columns
     batch.fill([0, 1], [0, 1], {0: [3, 4, 5, 6, 7], 1: list(range(2, 42))})
     batch.step()
-    assert (batch.columns_read, batch.columns_live) == (3 * SPAN_STEP, 6 + 41)
+    first = (6 + 41 + 1) if live_columns else 3 * SPAN_STEP
+    assert (batch.columns_read, batch.columns_live) == (first, 6 + 41)
     batch.release([1])
     batch.step()
-    assert (batch.columns_read, batch.columns_live) == (6 * SPAN_STEP, 6 + 41 + 7)
+    assert (batch.columns_read, batch.columns_live) == (first + ((7 + 1 + 1) if live_columns else 3 * SPAN_STEP),
+                                                        6 + 41 + 7)
 
 
-def test_decode_attention_alternatives_compute_what_the_static_target_calls():
+def test_rows_at_their_own_columns_step_alike_when_each_reads_only_its_own_keys(monkeypatch):
+    """A step of rows at their own columns gives the same choices and features whether every row
+    reads the batch's span under a mask (on a CPU) or only its own keys (LiveColumns: FlashAttention
+    on a GPU, its stand-in here)."""
+    import dflash.nn.transformer as transformer
+    from conftest import flash_varlen_stand_in
+
+    monkeypatch.setattr(transformer, "flash_varlen", flash_varlen_stand_in)
+    target = tiny_target("qwen3", dtype=torch.float64)
+    vocab = target.model.config.vocab_size
+    static = StaticTarget(target, 3, 300, cuda_graphs=False)
+    assert not static.live_columns, "a CPU has no FlashAttention: the span mask"
+    g = torch.Generator().manual_seed(5)
+    lengths = [5, 270, 9]
+    for row, n in enumerate(lengths):
+        static.extend_rows(torch.randint(0, vocab, (1, n), generator=g), torch.tensor([row]), 0, torch.tensor([n - 1]))
+    ids, columns = torch.randint(0, vocab, (3, 1), generator=g), torch.tensor(lengths)[:, None]
+    span = static.attended_columns(max(lengths) + 1)
+    masked = static._forward(ids, columns, span, features=True)
+    static.live_columns = True
+    live = static._forward(ids, columns, span, features=True)
+    assert torch.equal(live[0], masked[0])
+    torch.testing.assert_close(live[1], masked[1], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_rows_read_their_own_keys_through_flash_attention_as_the_span_mask_reads_them():
+    """The device's PyTorch has FlashAttention's variable-length kernel with a key count per row, a
+    bf16 StaticTarget takes it for rows at their own columns, and that step gives the span mask's
+    features (bf16 rounding) and, replayed as a CUDA graph, its own eager choices."""
+    target = tiny_target("qwen3", dtype=torch.bfloat16)
+    target.model.cuda()
+    vocab = target.model.config.vocab_size
+    static = StaticTarget(target, 4, 512)
+    assert static.live_columns, "FlashAttention with per-row key counts is missing from this PyTorch"
+    g = torch.Generator().manual_seed(6)
+    lengths = [5, 480, 40, 1]
+    for row, n in enumerate(lengths):
+        static.extend_rows(torch.randint(0, vocab, (1, n), generator=g).cuda(), torch.tensor([row]).cuda(), 0,
+                           torch.tensor([n - 1]).cuda())
+    ids = torch.randint(0, vocab, (4, 1), generator=g).cuda()
+    columns = torch.tensor(lengths).cuda()
+    span = static.attended_columns(max(lengths) + 1)
+    live = static._forward(ids, columns[:, None], span, features=True)
+    static.live_columns = False
+    masked = static._forward(ids, columns[:, None], span, features=True)
+    static.live_columns = True
+    torch.testing.assert_close(live[1].float(), masked[1].float(), rtol=3e-2, atol=3e-2)
+    for _ in range(2):  # a capture, then a replay
+        assert torch.equal(static.step_rows(ids, columns, max(lengths) + 1), live[0])
+
+
+def test_decode_attention_alternatives_compute_what_the_static_target_calls(monkeypatch):
     """dflash.benchmarks.decode_attention times other kernels against StaticTarget's SDPA call;
-    they must give the same output (rows that see different numbers of columns)."""
-    from dflash.benchmarks.decode_attention import compare
+    they must give the same output (rows that see different numbers of columns). LiveColumns runs
+    here on FlashAttention's stand-in."""
+    import dflash.benchmarks.decode_attention as decode_attention
+    import dflash.nn.transformer as transformer
+    from conftest import flash_varlen_stand_in
 
-    rows = compare([(5, 40), (3, 17)], kv_heads=2, group=3, head_dim=8, device=torch.device("cpu"),
-                   dtype=torch.float32, repeats=1)
-    assert {r["implementation"] for r in rows} == {"sdpa (StaticTarget)", "matmul + softmax"}
+    monkeypatch.setattr(transformer, "flash_varlen", flash_varlen_stand_in)
+    monkeypatch.setattr(decode_attention, "live_columns_supported", lambda *a, **k: True)
+    rows = decode_attention.compare([(5, 40), (3, 17)], kv_heads=2, group=3, head_dim=8, device=torch.device("cpu"),
+                                    dtype=torch.float32, repeats=1)
+    assert {r["implementation"] for r in rows} == {"sdpa (span mask)", "matmul + softmax", "flash varlen (LiveColumns)"}
     assert all(r["max_abs_diff"] < 1e-5 and r["ms"] > 0 for r in rows)
 
 
