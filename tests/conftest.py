@@ -49,13 +49,15 @@ def tiny_target(arch: str = "qwen3", dtype: torch.dtype = torch.float64, seed: i
 
 def flash_varlen_stand_in(q, k, v, starts_q, starts_k, max_q, max_k, scale, used_k):
     """What flash_varlen computes, sequence by sequence with SDPA (FlashAttention has no CPU
-    kernel): queries starts_q[i].. over the used_k[i] keys from starts_k[i], not causal."""
+    kernel): queries starts_q[i].. over the used_k[i] keys from starts_k[i], not causal, query
+    head h on key/value head h // (Hq / Hkv)."""
     out = torch.empty_like(q)
     for i in range(len(starts_q) - 1):
         first, end, keys = int(starts_q[i]), int(starts_q[i + 1]), slice(int(starts_k[i]), int(starts_k[i] + used_k[i]))
         assert end - first <= max_q and int(used_k[i]) <= max_k
         heads_first = (q[first:end].transpose(0, 1), k[keys].transpose(0, 1), v[keys].transpose(0, 1))
-        out[first:end] = torch.nn.functional.scaled_dot_product_attention(*heads_first, scale=scale).transpose(0, 1)
+        out[first:end] = torch.nn.functional.scaled_dot_product_attention(*heads_first, scale=scale,
+                                                                          enable_gqa=True).transpose(0, 1)
     return out
 
 

@@ -90,34 +90,36 @@ class LiveColumns:
     lengths: torch.Tensor  # [b] int32: keys each row sees (its column + 1)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
-        """q in attend's decoding layout [b, Hkv, group, d] over the whole caches k, v [b, Hkv,
-        capacity, d] -> [b, Hkv, group, d]. The query heads of one key/value head go in as `group`
-        query tokens of its sequence, so the kernel reads each key once for all of them. The
-        caches go in without a copy: sequence b starts at row b x Hkv x capacity of a strided view
-        whose head stride is capacity x d."""
+        """q in attend's decoding layout [b, Hkv, group, d] (one token: the rows of a key/value head
+        are its query heads) over the whole caches k, v [b, Hkv, capacity, d] -> [b, Hkv, group, d].
+        The queries go in as one token of Hq heads, which FlashAttention's decoding path turns back
+        into `group` rows per key/value head (each key read once for all of them) and splits over
+        the columns when the batch is small. The caches go in without a copy: sequence b starts at
+        row b x Hkv x capacity of a strided view whose head stride is capacity x d."""
         b, hkv, group, d = q.shape
         capacity = k.shape[2]
         for cache in (k, v):
             if cache.stride() != (hkv * capacity * d, capacity * d, d, 1):
                 raise ValueError(f"LiveColumns needs caches laid out [b, Hkv, capacity, d]; strides {cache.stride()}")
-        queries = q.transpose(1, 2).reshape(b * group, hkv, d)
 
         def packed(cache: torch.Tensor) -> torch.Tensor:
             rows = (b - 1) * hkv * capacity + capacity  # the last sequence's columns end the storage
             return cache.as_strided((rows, hkv, d), (d, capacity * d, 1), cache.storage_offset())
 
         device = q.device
-        starts_q = torch.arange(0, (b + 1) * group, group, dtype=torch.int32, device=device)
+        starts_q = torch.arange(b + 1, dtype=torch.int32, device=device)
         starts_k = torch.arange(0, (b + 1) * hkv * capacity, hkv * capacity, dtype=torch.int32, device=device)
-        out = flash_varlen(queries, packed(k), packed(v), starts_q, starts_k, group, capacity, scale, self.lengths)
-        return out.view(b, group, hkv, d).transpose(1, 2)
+        out = flash_varlen(q.reshape(b, hkv * group, d), packed(k), packed(v), starts_q, starts_k, 1, capacity, scale,
+                           self.lengths)
+        return out.view(b, hkv, group, d)
 
 
 def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts_q: torch.Tensor, starts_k: torch.Tensor,
                  max_q: int, max_k: int, scale: float | None, used_k: torch.Tensor) -> torch.Tensor:
     """FlashAttention over packed sequences, not causal: sequence i's queries are rows
-    starts_q[i]..starts_q[i + 1] - 1 of q [rows, H, d], its keys/values the first used_k[i] rows
-    from starts_k[i] of k, v [rows, Hkv, d] (any row and head strides)."""
+    starts_q[i]..starts_q[i + 1] - 1 of q [rows, Hq, d], its keys/values the first used_k[i] rows
+    from starts_k[i] of k, v [rows, Hkv, d] (any row and head strides); query head h uses key/value
+    head h // (Hq / Hkv)."""
     return torch.ops.aten._flash_attention_forward(q, k, v, starts_q, starts_k, max_q, max_k, 0.0, False, False,
                                                    scale=scale, seqused_k=used_k)[0]
 
