@@ -6,11 +6,11 @@ tokens writes them at cache columns start..start+T-1 of its row (rows may be at 
 columns) and attends over the used columns under a mask (a column is visible when it is at or
 before the query's column and, on sliding layers, inside the window); rows of one new token at
 their own columns (batched regeneration) read only their own keys where FlashAttention's
-variable-length kernel exists (LiveColumns: a CUDA 16-bit target without sliding layers). Fixed shapes let a step be
-replayed as a CUDA graph, and a prompt padded at its end to a multiple of PREFILL_STEP lets its
-prefill be one too. Nothing is ever cropped: a rejected draft's columns are masked for every later
-query and rewritten before they become visible again. A step is bound by its kernel count, so
-q/k/v run as one matrix product and gate/up as another (`fused_rows`).
+variable-length kernel exists (LiveColumns: a CUDA 16-bit target without sliding layers). Fixed
+shapes let a step be replayed as a CUDA graph, and a prompt padded at its end to a multiple of
+PREFILL_STEP lets its prefill be one too. Nothing is ever cropped: a rejected draft's columns are
+masked for every later query and rewritten before they become visible again. A step is bound by
+its kernel count, so q/k/v run as one matrix product and gate/up as another (`fused_rows`).
 
 Runs the decoder layers of Llama-layout families (pre-norm, separate q/k/v projections, optional
 per-head q/k norms, one RoPE): Llama (SmolLM2), Mistral, Qwen2, Qwen3. Other families decode
@@ -104,8 +104,6 @@ class StaticTarget:
         # Mistral names no layer types: with a window set, every layer slides.
         layer_types = getattr(config, "layer_types", None) or ["sliding_attention"] * len(target.layers)
         self.windows = [window if kind == "sliding_attention" else 0 for kind in layer_types]
-        # rows at their own columns (step_rows) read only their own keys, where the kernel exists
-        self.live_columns = live_columns_supported(device, dtype, attention.head_dim, any(self.windows))
         self.feature_layers = set(target.layer_ids)
         self.columns = torch.arange(self.capacity, device=device)
         self._start = torch.zeros((), dtype=torch.long, device=device)
@@ -113,6 +111,9 @@ class StaticTarget:
         self._row_columns = torch.zeros(batch, dtype=torch.long, device=device)  # step_rows' input buffer
         self.graphs = GraphReplays(device, cuda_graphs)
         self.compiled = compiled and self.graphs.enabled  # the graphed steps run compiled_layer_parts
+        # rows at their own columns (step_rows, eager layers) read only their own keys where the kernel exists
+        self.live_columns = (not self.compiled
+                             and live_columns_supported(device, dtype, attention.head_dim, any(self.windows)))
         # prompts padded to a multiple of this (0: as they are); by default where prefills are graphed
         self.prefill_step = (PREFILL_STEP if self.graphs.enabled else 0) if prefill_step is None else prefill_step
         self._prompts: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (rows, padded length) -> ids, last
@@ -258,8 +259,7 @@ class StaticTarget:
         half = cos.shape[-1] // 2
         cos, sin = cos[:, None], torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)[:, None]
         keys = columns if span is None else self.columns[None, :span]
-        live = (self.live_columns and span is not None and rows is None and not shared and not compiled
-                and ids.shape[1] == 1)
+        live = self.live_columns and span is not None and rows is None and not shared and ids.shape[1] == 1
         if live:  # rows at their own columns: each reads its own keys (the whole caches go in)
             masks = [LiveColumns((columns[:, 0] + 1).to(torch.int32))] * len(target.layers)
             span = self.capacity
