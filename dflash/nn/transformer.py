@@ -126,9 +126,8 @@ def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts_q: to
 
 def live_columns_supported(device: torch.device, dtype: torch.dtype, head_dim: int, sliding: bool) -> bool:
     """Where LiveColumns runs: FlashAttention's kernel (NVIDIA GPUs from Ampere on, 16-bit, head
-    dims that are a multiple of 8 up to 256) in a PyTorch whose op takes per-row key counts; no
-    sliding windows (its window would count from each query token, and a row's query heads come
-    in as tokens)."""
+    dims that are a multiple of 8 up to 256) in a PyTorch whose op takes per-row key counts.
+    Targets with sliding layers keep the span mask, which holds their windows (LiveColumns has none)."""
     if device.type != "cuda" or torch.version.hip or dtype not in (torch.bfloat16, torch.float16) or sliding:
         return False
     if head_dim % 8 or head_dim > 256 or not torch.backends.cuda.flash_sdp_enabled():
