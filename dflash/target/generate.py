@@ -146,7 +146,8 @@ class ContinuousBatch:
         self.clock = PhaseClock(device)
         self.steps, self.live_row_steps, self.prompt_tokens = 0, 0, 0
         # key columns the decode steps' attention read, and those inside a live row's context:
-        # every row reads the batch's span, so the rest is padding past shorter rows
+        # under the span mask every row reads the batch's span (the rest is padding past shorter
+        # rows); with LiveColumns each row reads its own
         self.columns_read, self.columns_live = 0, 0
 
     @torch.no_grad()

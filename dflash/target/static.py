@@ -258,7 +258,6 @@ class StaticTarget:
         cos, sin = target.decoder.rotary_emb(x, columns)  # a row's column is its position
         half = cos.shape[-1] // 2
         cos, sin = cos[:, None], torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)[:, None]
-        keys = columns if span is None else self.columns[None, :span]
         live = self.live_columns and span is not None and rows is None and not shared and ids.shape[1] == 1
         if live:  # rows at their own columns: each reads its own keys (the whole caches go in)
             masks = [LiveColumns((columns[:, 0] + 1).to(torch.int32))] * len(target.layers)
@@ -266,6 +265,7 @@ class StaticTarget:
         elif span is None and not any(self.windows):  # a fresh prompt over itself: causal, no mask (finish_layer)
             masks = [None] * len(target.layers)
         else:
+            keys = columns if span is None else self.columns[None, :span]
             masks = self._masks(columns, keys, x.dtype, target.model.config.num_attention_heads // self.keys.shape[2])
         project, project_write, finish = compiled_layer_parts() if compiled else (project_qkv, None, finish_layer)
         write_inside = compiled and shared and rows is None and span is not None
