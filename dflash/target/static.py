@@ -210,12 +210,13 @@ class StaticTarget:
         graph per span; the output is overwritten by the next replay."""
         if end > self.capacity:
             raise ValueError(f"decoding past the cache: column {end - 1} >= {self.capacity} columns")
-        span = self.capacity if self.live_columns else self.attended_columns(end)  # live: one graph for all
+        own_keys = self.live_columns
+        span = self.capacity if own_keys else self.attended_columns(end)  # own keys: one graph for all
         buffer = self._inputs.setdefault(-1, torch.zeros_like(ids))
         buffer.copy_(ids)
         self._row_columns.copy_(columns)
         return self.graphs(("rows", span), lambda: self._forward(buffer, self._row_columns[:, None], span,
-                                                                  compiled=self.compiled)[0])
+                                                                  compiled=self.compiled, own_keys=own_keys)[0])
 
     def _at(self, start: int, ids: torch.Tensor) -> None:
         if start + ids.shape[1] > self.capacity:
@@ -247,19 +248,19 @@ class StaticTarget:
 
     def _forward(self, ids: torch.Tensor, columns: torch.Tensor, span: int | None, rows: torch.Tensor | None = None,
                  last: torch.Tensor | None = None, features: bool = False, compiled: bool = False,
-                 shared: bool = False):
+                 shared: bool = False, own_keys: bool = False):
         """Tokens ids [b, T] at cache columns [b, T] of the cache rows `rows` (None: all, in
         order), attending over cache columns :span (None: only over themselves) -> (choice after
         each position, or after position `last` [b] of each row; features [b, T, K*D] or None).
         `compiled`: the layers run compiled_layer_parts (the graphed steps); `shared`: every row's
-        columns are the same, so the compiled projection writes the cache itself."""
+        columns are the same, so the compiled projection writes the cache itself; `own_keys`: one
+        token per row, each attending over its own columns only (LiveColumns, step_rows)."""
         target = self.target
         x, delta = target.embed_tokens(ids), None  # the residual stream is x + delta (finish_layer)
         cos, sin = target.decoder.rotary_emb(x, columns)  # a row's column is its position
         half = cos.shape[-1] // 2
         cos, sin = cos[:, None], torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)[:, None]
-        live = self.live_columns and span is not None and rows is None and not shared and ids.shape[1] == 1
-        if live:  # rows at their own columns: each reads its own keys (the whole caches go in)
+        if own_keys:  # the whole caches go in
             masks = [LiveColumns((columns[:, 0] + 1).to(torch.int32))] * len(target.layers)
             span = self.capacity
         elif span is None and not any(self.windows):  # a fresh prompt over itself: causal, no mask (finish_layer)

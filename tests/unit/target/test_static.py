@@ -323,8 +323,7 @@ def test_rows_at_their_own_columns_step_alike_when_each_reads_only_its_own_keys(
     ids, columns = torch.randint(0, vocab, (3, 1), generator=g), torch.tensor(lengths)[:, None]
     span = static.attended_columns(max(lengths) + 1)
     masked = static._forward(ids, columns, span, features=True)
-    static.live_columns = True
-    live = static._forward(ids, columns, span, features=True)
+    live = static._forward(ids, columns, span, features=True, own_keys=True)
     assert torch.equal(live[0], masked[0])
     torch.testing.assert_close(live[1], masked[1], rtol=1e-10, atol=1e-10)
 
@@ -347,10 +346,8 @@ def test_on_a_gpu_rows_read_their_own_keys_through_flash_attention_as_the_span_m
     ids = torch.randint(0, vocab, (4, 1), generator=g).cuda()
     columns = torch.tensor(lengths).cuda()
     span = static.attended_columns(max(lengths) + 1)
-    live = static._forward(ids, columns[:, None], span, features=True)
-    static.live_columns = False
+    live = static._forward(ids, columns[:, None], span, features=True, own_keys=True)
     masked = static._forward(ids, columns[:, None], span, features=True)
-    static.live_columns = True
     torch.testing.assert_close(live[1].float(), masked[1].float(), rtol=3e-2, atol=3e-2)
     for _ in range(2):  # a capture, then a replay
         assert torch.equal(static.step_rows(ids, columns, max(lengths) + 1), live[0])
