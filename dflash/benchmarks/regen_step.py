@@ -1,13 +1,15 @@
 """Regeneration speed on the static-cache engine: the whole engine on real prompts (new tokens/s
 with the batch sized from memory, as `python -m dflash.regenerate --engine fast` runs it, model
-loading left out), or one batched decode step at given shapes (ms per step, row-steps/s) and,
-with --profile, the GPU kernels that take its time (torch.profiler over a few eager steps).
+loading left out), or at given shapes one prefill of every row (ms, prompt tokens/s) and one batched
+decode step (ms per step, row-steps/s) and, with --profile, the GPU kernels that take their time
+(torch.profiler over a prefill and a few eager steps).
 
     python -m dflash.benchmarks.regen_step --target model.gguf --prompts train_prompts.jsonl --limit 4000
     python -m dflash.benchmarks.regen_step --target model.gguf --shapes 1024x1024x600,341x3072x2400 --profile
 
 A shape is rows x cache columns x prompt tokens (random prompts, every row at the same column);
-steps run as CUDA graph replays on a GPU, as regeneration runs them.
+the prefill runs eager and the steps as CUDA graph replays on a GPU, as regeneration runs them
+(whose prefill chunks hold up to 32,768 tokens: 100x1536x320 is one).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,16 +34,42 @@ from dflash.util.cli import cli_parser
 from dflash.util.runtime import pick_device, setup_logging, synchronize
 
 logger = logging.getLogger(__name__)
+PREFILL_REPEATS = 3
+
+
+def kernel_table(target: FrozenTarget, run: Callable[[], None]) -> str:
+    """The 12 costliest kernels (CPU: ops) of run() under torch.profiler."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    activities = [ProfilerActivity.CUDA] if target.device.type == "cuda" else [ProfilerActivity.CPU]
+    with profiler(activities=activities) as prof:
+        run()
+        synchronize(target.device)
+    sort = "cuda_time_total" if target.device.type == "cuda" else "cpu_time_total"
+    return prof.key_averages().table(sort_by=sort, row_limit=12, max_name_column_width=70)
 
 
 @torch.no_grad()
 def time_steps(target: FrozenTarget, rows: int, capacity: int, prompt: int, steps: int, profile: bool,
                compiled: bool = False) -> dict:
+    """A prefill of `prompt` tokens into every row (the regeneration's prefill chunk: rows x prompt
+    tokens, eager), then `steps` graphed decode steps of all rows."""
     static = StaticTarget(target, rows, capacity, compiled=compiled)
     vocab = target.embed_tokens.weight.shape[0]
     ids = torch.randint(0, vocab, (rows, prompt), generator=torch.Generator().manual_seed(0)).to(target.device)
-    choice = static.extend_rows(ids, torch.arange(rows, device=target.device), 0,
-                                torch.full((rows,), prompt - 1, device=target.device))
+    every_row, last = torch.arange(rows, device=target.device), torch.full((rows,), prompt - 1, device=target.device)
+
+    def prefill():
+        return static.extend_rows(ids, every_row, 0, last)
+
+    choice = prefill()  # the first one warms the kernels up
+    synchronize(target.device)
+    start = time.perf_counter()
+    for _ in range(PREFILL_REPEATS):
+        choice = prefill()
+    synchronize(target.device)
+    prefill_seconds = (time.perf_counter() - start) / PREFILL_REPEATS
     columns = torch.full((rows,), prompt, device=target.device)
     column = prompt
 
@@ -59,20 +88,19 @@ def time_steps(target: FrozenTarget, rows: int, capacity: int, prompt: int, step
         choice = step(choice)
     synchronize(target.device)
     seconds = (time.perf_counter() - start) / steps
-    result = {"rows": rows, "capacity": static.capacity, "prompt": prompt, "ms_per_step": round(seconds * 1e3, 3),
-              "row_steps_per_second": round(rows / seconds)}
+    result = {"rows": rows, "capacity": static.capacity, "prompt": prompt,
+              "prefill_ms": round(prefill_seconds * 1e3, 3), "prefill_tokens_per_second": round(rows * prompt / prefill_seconds),
+              "ms_per_step": round(seconds * 1e3, 3), "row_steps_per_second": round(rows / seconds)}
     if profile:
-        from torch.profiler import ProfilerActivity
-        from torch.profiler import profile as profiler
-
+        result["prefill_profile"] = kernel_table(target, prefill)
         static.graphs.enabled = False  # kernels show one by one outside a graph
-        activities = [ProfilerActivity.CUDA] if target.device.type == "cuda" else [ProfilerActivity.CPU]
-        with profiler(activities=activities) as prof:
+
+        def five_steps():
+            nonlocal choice
             for _ in range(5):
                 choice = step(choice)
-            synchronize(target.device)
-        sort = "cuda_time_total" if target.device.type == "cuda" else "cpu_time_total"
-        result["profile"] = prof.key_averages().table(sort_by=sort, row_limit=12, max_name_column_width=70)
+
+        result["profile"] = kernel_table(target, five_steps)
     return result
 
 
@@ -149,10 +177,11 @@ def main(argv: list[str] | None = None) -> int:
         for rows, capacity, prompt in parse_shapes(args.shapes):
             result = time_steps(target, rows, capacity, prompt, args.steps, args.profile,
                                 args.compile_target)
-            logger.info("rows %d x %d columns, prompt %d: %.2f ms per step, %d row-steps/s", rows, result["capacity"],
-                        prompt, result["ms_per_step"], result["row_steps_per_second"])
+            logger.info("rows %d x %d columns, prompt %d: prefill %.1f ms (%d tokens/s); %.2f ms per step, %d row-steps/s",
+                        rows, result["capacity"], prompt, result["prefill_ms"], result["prefill_tokens_per_second"],
+                        result["ms_per_step"], result["row_steps_per_second"])
             if "profile" in result:
-                logger.info("%s", result["profile"])
+                logger.info("prefill:\n%s\ndecode step:\n%s", result["prefill_profile"], result["profile"])
             results.append(result)
     if args.output:
         Path(args.output).write_text(json.dumps(results, indent=1) + "\n")

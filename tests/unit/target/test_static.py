@@ -376,7 +376,9 @@ def test_the_regeneration_benchmark_times_a_step_and_the_whole_engine():
     target = tiny_target("llama", dtype=torch.float32)
     result = time_steps(target, 3, 40, 20, steps=2, profile=True)
     assert result["capacity"] == 48 and result["ms_per_step"] > 0 and result["row_steps_per_second"] > 0
-    assert "aten::" in result["profile"]  # the 12 costliest ops: which ones depends on the machine's load
+    assert result["prefill_ms"] > 0 and result["prefill_tokens_per_second"] > 0
+    # the 12 costliest ops of each part: which ones depends on the machine's load
+    assert "aten::" in result["profile"] and "aten::" in result["prefill_profile"]
     assert parse_shapes("4x64x32,2x512x500") == [(4, 64, 32), (2, 512, 500)]
     with pytest.raises(SystemExit, match="prompt \\+ 8 <= capacity"):
         parse_shapes("4x64x60")
