@@ -12,10 +12,11 @@ import json
 from types import SimpleNamespace
 
 import deepspeed
+import numpy as np
 import torch
 
 from conftest import MASK_ID, tiny_drafter, tiny_target
-from dflash.drafter.objective import LossDenominators, LossTerms, slot_weights
+from dflash.drafter.objective import LossDenominators, LossTerms, anchor_candidates, slot_weights
 from dflash.drafter.step import DrafterStep, StepSettings
 from dflash.placement.topology import DrafterParallelism, drafter_groups, plan_topology
 from dflash.training.run import backward_and_step, kept_loss, micro_batch_loss, plan_window
@@ -71,11 +72,14 @@ def one_case(stage: int, kind: str, skipped: list[bool], groups, topology) -> di
 
     optimizer.step = recording_step
     step = DrafterStep(engine.module, target.embed_tokens, target.lm_head, settings, forward=engine)
-    run = SimpleNamespace(engine=engine, step=step, total_steps=10, drafter_rank=0)
+    batches = micro_batches(target, ACCUM)
+    # window item n holds micro-batch n: its anchor count is its widest row's, as the sampler counts them
+    anchors = np.array([max(1, min(settings.max_anchors, int(anchor_candidates(b.loss_mask).sum(1).max())))
+                        for b in batches])
+    run = SimpleNamespace(engine=engine, step=step, total_steps=10, drafter_rank=0, anchors=anchors)
     ctx = SimpleNamespace(config=SimpleNamespace(train=SimpleNamespace(grad_accum=ACCUM, seed=0, kl_weight=0.0,
                                                                        feature_noise_std=0.0)),
                           ranks=SimpleNamespace(device=torch.device("cpu")), data_group=groups[0], topology=topology)
-    batches = micro_batches(target, ACCUM)
     window = [(0, n, [n], batch, (n, 0)) for n, batch in enumerate(batches)]
     blocks, denominators, per_micro = plan_window(ctx, run, window, NO_CLOCK)
     verdicts = []

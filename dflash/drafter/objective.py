@@ -39,14 +39,17 @@ def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
 
 def sample_anchors(
     loss_mask: torch.Tensor, max_anchors: int, block_size: int, generator: torch.Generator, stride: bool = False,
-    echo_round: int = 0,
+    echo_round: int = 0, count: int | None = None,
 ) -> BlockLayout:
     """Up to `max_anchors` anchors per sequence, uniformly without replacement among the
     candidates, sorted. Padding blocks (anchor 0, valid False) fill shorter rows. `stride`: only
     candidates B apart from each row's first one (consecutive, non-overlapping blocks). The
     generator puts each row's candidates in a random order and echo_round 0 takes its first
     max_anchors; round k (an echo of the micro-batch, --reuse-features) the next max_anchors
-    along the same order, wrapping around once a row's candidates are used up."""
+    along the same order, wrapping around once a row's candidates are used up. `count`: the most
+    anchors a row takes (min(candidates, max_anchors), 1 at least), where the caller counted it on
+    the host (training: per sample, from the shard); else it is read back from the device, a sync
+    that leaves the GPU idle while the host queues the drafter's step."""
     candidates = anchor_candidates(loss_mask)
     if stride:
         first = candidates.float().argmax(dim=1, keepdim=True)
@@ -56,7 +59,12 @@ def sample_anchors(
     scores = scores.masked_fill(~candidates, -1.0)
     available = candidates.sum(dim=1, keepdim=True)  # [b, 1]
     taken = available.clamp(max=max_anchors)
-    count = max(int(taken.max().item()), 1)
+    if count is None or taken.device.type == "cpu":  # where reading back costs nothing, check the host's count
+        widest = max(int(taken.max().item()), 1)
+        if count is not None and count != widest:
+            raise ValueError(f"sample_anchors: told {count} anchors for the widest row, which takes {widest}: the "
+                             "host's per-sample anchor counts disagree with these loss masks")
+        count = widest
     ranked = scores.argsort(dim=1, descending=True)  # a row's candidates first, in random order
     slot = torch.arange(count, device=candidates.device)[None]
     along = (echo_round * max_anchors + slot) % available.clamp(min=1)

@@ -53,10 +53,13 @@ class DrafterStep:
         return self.lm_head.restrict(build_blocks(input_ids, loss_mask, layout, self.drafter.mask_token_id))
 
     def sample_blocks(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, generator: torch.Generator,
-                      echo_round: int = 0) -> Blocks:
-        """`echo_round`: the echo of the micro-batch (sample_anchors), 0 for its first step."""
+                      echo_round: int = 0, anchors_per_row: list[int] | None = None) -> Blocks:
+        """`echo_round`: the echo of the micro-batch (sample_anchors), 0 for its first step;
+        `anchors_per_row`: each row's anchor count, min(candidates, --max-anchors), where the host
+        knows it (no read-back of the widest row; ignored with stride anchors, which take fewer)."""
+        count = None if anchors_per_row is None or self.settings.stride_anchors else max(anchors_per_row)
         layout = sample_anchors(loss_mask, self.settings.max_anchors, self.drafter.block_size, generator,
-                                stride=self.settings.stride_anchors, echo_round=echo_round)
+                                stride=self.settings.stride_anchors, echo_round=echo_round, count=count)
         return self.make_blocks(input_ids, loss_mask, layout)
 
     def hidden(self, blocks: Blocks, features: torch.Tensor) -> torch.Tensor:

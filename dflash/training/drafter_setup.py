@@ -77,7 +77,7 @@ class DrafterRun:
     checkpointer: Checkpointer
     guard: SpikeGuard
     tally: StepTally
-    anchors: np.ndarray  # anchors per sample, as the FLOP model counts them
+    anchors: np.ndarray  # anchors per sample, as the FLOP model counts them and the anchor sampling pads to
     total_steps: int
     start_epoch: int
     drafter_rank: int

@@ -370,13 +370,13 @@ def plan_window(ctx: RankContext, run: DrafterRun, window: list, clock: PhaseClo
     one all-reduce for both), which take a skipped micro-batch out of them again."""
     blocks = []
     local = torch.zeros(len(window), 2, dtype=torch.float64, device=ctx.ranks.device)
-    for n, (epoch, _, _, batch, (draw_step, draw_round)) in enumerate(window):
+    for n, (epoch, _, indices, batch, (draw_step, draw_round)) in enumerate(window):
         if batch is None:  # this rank got no samples at this step: a zero step keeps lockstep
             blocks.append(None)
             continue
         these = run.step.sample_blocks(batch.input_ids, batch.loss_mask,
                                        anchor_generator(ctx.config.train.seed, epoch, draw_step, run.drafter_rank),
-                                       draw_round)
+                                       draw_round, anchors_per_row=run.anchors[indices].tolist())
         counts = run.step.denominators(these)
         local[n] = torch.stack([counts.weight, counts.positions]).double()
         blocks.append(these)

@@ -60,6 +60,14 @@ def test_anchor_sampling_bounds_and_reproducibility():
     other = sample_anchors(loss_mask, 5, 4, torch.Generator().manual_seed(2))
     assert torch.equal(first.anchors, again.anchors)
     assert not torch.equal(first.anchors, other.anchors), "a new epoch seed re-samples"
+    for max_anchors in (1, 5, 100):  # a count the host knows gives the layout the read-back gives
+        host = max(min(19, max_anchors), min(3, max_anchors), 1)
+        read_back = sample_anchors(loss_mask, max_anchors, 4, torch.Generator().manual_seed(4))
+        told = sample_anchors(loss_mask, max_anchors, 4, torch.Generator().manual_seed(4), count=host)
+        assert told.anchors.shape == (3, host)
+        assert torch.equal(told.anchors, read_back.anchors) and torch.equal(told.valid, read_back.valid)
+    with pytest.raises(ValueError, match="told 4 anchors for the widest row, which takes 5"):
+        sample_anchors(loss_mask, 5, 4, torch.Generator().manual_seed(4), count=4)
 
 
 def test_an_echo_round_takes_the_next_anchors_along_the_same_random_order():
