@@ -46,7 +46,7 @@ def test_features_on_a_gpu_skip_cudnn_attention_and_match_the_default_backends()
 def test_the_target_forward_benchmark_times_both_backend_sets_on_new_shapes():
     """dflash.benchmarks.target_forward on the demo target (CPU): each backend set gets its own
     draw of micro-batch shapes, none repeated from the other's, and a timing of each forward."""
-    from dflash.benchmarks.target_forward import BACKENDS, TargetForwardArgs, main, shapes
+    from dflash.benchmarks.target_forward import BACKENDS, DECODER_LAYERS, TargetForwardArgs, main, shapes
 
     args = TargetForwardArgs(target=str(DEMO_TARGET_DIR), max_tokens=1024, max_length=256, steps=3, warmup=1)
     first, second = shapes(args, 0), shapes(args, 1)
@@ -55,6 +55,9 @@ def test_the_target_forward_benchmark_times_both_backend_sets_on_new_shapes():
                     "--steps", "3", "--warmup", "1", "--dtype", "float32", "--device", "cpu"])
     for name in BACKENDS:
         assert results[name]["forwards"] == 3 and results[name]["tokens_per_second"] > 0
+    decoder = results[DECODER_LAYERS]  # the same features through the fast decoder's layers: float32 rounding apart
+    assert decoder["forwards"] == 3 and decoder["tokens_per_second"] > 0
+    assert 0 <= decoder["largest_difference_over_largest_feature"] < 1e-5
 
 
 def test_the_target_forward_benchmark_compares_length_groups_on_a_shards_micro_batches(tmp_path):
