@@ -6,10 +6,10 @@ as training feeds it: ms a forward and prompt tokens/s, with the attention backe
 
 Each micro-batch holds max-tokens // S rows of a length S drawn between --min-length and
 --max-length (a fresh draw for each backend set, so each sees shapes it has not planned for);
-the target's MLPs and norms are compiled on a GPU as training compiles them. A last row times the
-same forwards through the fast decoder's eager layers (StaticTarget.prefill: stacked q/k/v and
-gate/up projections, its RoPE, causal attention), which run every layer and write a KV cache, with
-the largest difference of its features from training's forward (relative to the largest feature).
+the target's MLPs and norms are compiled on a GPU as training compiles them. A last row times
+them through the fast decoder's layer functions (`--target-forward decoder`: stacked q/k/v and
+gate/up projections, its RoPE, compiled for every shape on a GPU), with the largest difference of
+their features from HF's (relative to the largest feature).
 
 With --shard (a prepared training shard, <run>/data/train) the micro-batches are the ones the
 sampler draws from it, rows of mixed lengths, each collated, copied and run as training runs it
@@ -36,7 +36,7 @@ from dflash.placement.features import compute_features
 from dflash.target.frozen import SHAPE_FREE_SDPA, FrozenTarget, default_target_layer_ids, load_target_config
 from dflash.target.gguf import resolve_target
 from dflash.target.length_groups import computed_positions, plan_length_groups
-from dflash.target.static import StaticTarget, fast_decoding_supported
+from dflash.target.layer_features import layer_forward_problem, use_decoder_layers
 from dflash.util.cli import ConfigError, cli_parser
 from dflash.util.runtime import pick_device, setup_logging, synchronize
 
@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 BACKENDS = {"flash, efficient, math (training's)": SHAPE_FREE_SDPA,
             "cuDNN first where it applies": [SDPBackend.CUDNN_ATTENTION, *SHAPE_FREE_SDPA]}
-DECODER_LAYERS = "the fast decoder's eager layers (StaticTarget.prefill)"
+DECODER_LAYERS = "the fast decoder's layers (--target-forward decoder)"
 
 
 @dataclass
@@ -90,32 +90,21 @@ def time_forwards(target: FrozenTarget, batches: list[tuple[int, int]], warmup: 
 
 
 @torch.no_grad()
+def largest_difference(target: FrozenTarget, batch: tuple[int, int]) -> float:
+    """How far one random micro-batch's features through the decoder's layers (target.layer_forward)
+    are from HF's, over the largest feature (HF's RMSNorm computes in float32 whatever the dtype)."""
+    rows, length = batch
+    ids = torch.randint(0, target.embed_tokens.weight.shape[0], (rows, length), device=target.device)
+    ours = target.features(ids).features.float()
+    layer_forward, target.layer_forward = target.layer_forward, None
+    try:
+        reference = target.features(ids).features.float()
+    finally:
+        target.layer_forward = layer_forward
+    return float((ours - reference).abs().max() / reference.abs().max())
+
+
 @torch.no_grad()
-def time_decoder_layer_forwards(target: FrozenTarget, batches: list[tuple[int, int]], warmup: int) -> dict:
-    """time_forwards through StaticTarget.prefill (eager, a cache of the batch's shape made before
-    each timing), and the largest difference of the first batch's features from features(), over
-    their largest magnitude (HF's RMSNorm computes in float32 whatever the dtype, F.rms_norm in it)."""
-    vocab, device = target.embed_tokens.weight.shape[0], target.device
-    seconds, tokens, difference = [], 0, None
-    for n, (rows, length) in enumerate(batches):
-        ids = torch.randint(0, vocab, (rows, length), device=device)
-        static = StaticTarget(target, rows, length, cuda_graphs=False, prefill_step=0)
-        synchronize(device)
-        start = time.perf_counter()
-        _, features = static.prefill(ids)
-        synchronize(device)
-        if difference is None:
-            reference = target.features(ids).features.float()
-            difference = float((features.float() - reference).abs().max() / reference.abs().max())
-        if n >= warmup:
-            seconds.append(time.perf_counter() - start)
-            tokens += rows * length
-        del static
-    return {"ms_per_forward_median": round(1e3 * statistics.median(seconds), 3),
-            "tokens_per_second": round(tokens / sum(seconds)), "forwards": len(seconds),
-            "largest_difference_over_largest_feature": difference}
-
-
 def time_shard_batches(target: FrozenTarget, dataset: TokenDataset, batches: list[list[int]], groups: int,
                        warmup: int) -> dict:
     """Median ms a micro-batch (collation, copies and the target, as training runs them) and real
@@ -170,10 +159,12 @@ def main(argv: list[str] | None = None) -> dict:
             target.attention_backends = backends
             results[name] = time_forwards(target, shapes(args, args.seed + n), args.warmup)
             logger.info("%s: %s", name, results[name])
-        if fast_decoding_supported(target):
+        if layer_forward_problem(target) is None:  # what --target-forward decoder trains with
             target.attention_backends = SHAPE_FREE_SDPA
-            results[DECODER_LAYERS] = time_decoder_layer_forwards(target, shapes(args, args.seed + len(BACKENDS)),
-                                                                  args.warmup)
+            use_decoder_layers(target, compiled=device.type == "cuda")
+            batches = shapes(args, args.seed + len(BACKENDS))
+            results[DECODER_LAYERS] = {**time_forwards(target, batches, args.warmup),
+                                       "largest_difference_over_largest_feature": largest_difference(target, batches[0])}
             logger.info("%s: %s", DECODER_LAYERS, results[DECODER_LAYERS])
     print(json.dumps(results), flush=True)
     return results

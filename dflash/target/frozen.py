@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,6 +113,8 @@ class FrozenTarget:
         self.embed_tokens = model.get_input_embeddings()
         self.lm_head = model.get_output_embeddings()
         self.attention_backends = SHAPE_FREE_SDPA  # of features() and decode_step (benchmarks.target_forward)
+        # features() through another forward of the same weights (dflash.target.layer_features), or HF's
+        self.layer_forward: Callable[[torch.Tensor, bool], tuple[dict[int, torch.Tensor], torch.Tensor | None]] | None = None
         params = inspect.signature(model.forward).parameters
         # transformers renamed `past_key_values` to `cache` in 5.2x; accept both versions.
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -227,6 +230,8 @@ class FrozenTarget:
     def _forward(self, input_ids: torch.Tensor, with_final_hidden: bool) -> tuple[dict[int, torch.Tensor],
                                                                                   torch.Tensor | None]:
         """The feature layers' outputs by layer id, and the final normed hidden state when asked."""
+        if self.layer_forward is not None:
+            return self.layer_forward(input_ids, with_final_hidden)
         with self._capture(stop_after_deepest=not with_final_hidden) as captured, sdpa_kernel(self.attention_backends):
             try:
                 out = self.decoder(input_ids=input_ids, use_cache=False)

@@ -70,6 +70,14 @@ def fused_rows(module: torch.nn.Module, name: str, linears: list[torch.nn.Linear
     return weight, bias
 
 
+def layer_windows(config, num_layers: int) -> list[int]:
+    """Each layer's sliding window (0: it attends over the whole context)."""
+    window = getattr(config, "sliding_window", None) or 0
+    # Mistral names no layer types: with a window set, every layer slides.
+    layer_types = getattr(config, "layer_types", None) or ["sliding_attention"] * num_layers
+    return [window if kind == "sliding_attention" else 0 for kind in layer_types]
+
+
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
@@ -100,10 +108,7 @@ class StaticTarget:
         shape = (len(target.layers), batch, config.num_key_value_heads, self.capacity, attention.head_dim)
         self.keys = torch.zeros(shape, device=device, dtype=dtype)
         self.values = torch.zeros(shape, device=device, dtype=dtype)
-        window = getattr(config, "sliding_window", None) or 0
-        # Mistral names no layer types: with a window set, every layer slides.
-        layer_types = getattr(config, "layer_types", None) or ["sliding_attention"] * len(target.layers)
-        self.windows = [window if kind == "sliding_attention" else 0 for kind in layer_types]
+        self.windows = layer_windows(config, len(target.layers))
         self.feature_layers = set(target.layer_ids)
         self.columns = torch.arange(self.capacity, device=device)
         self._start = torch.zeros((), dtype=torch.long, device=device)
@@ -257,9 +262,7 @@ class StaticTarget:
         token per row, each attending over its own columns only (LiveColumns, step_rows)."""
         target = self.target
         x, delta = target.embed_tokens(ids), None  # the residual stream is x + delta (finish_layer)
-        cos, sin = target.decoder.rotary_emb(x, columns)  # a row's column is its position
-        half = cos.shape[-1] // 2
-        cos, sin = cos[:, None], torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)[:, None]
+        cos, sin = rope_tables(target, x, columns)  # a row's column is its position
         if own_keys:  # the whole caches go in
             masks = [LiveColumns((columns[:, 0] + 1).to(torch.int32))] * len(target.layers)
             span = self.capacity
@@ -311,6 +314,13 @@ class StaticTarget:
         if rows is None:
             return cache_keys[:, :, :span], cache_values[:, :, :span]
         return cache_keys[rows, :, :span], cache_values[rows, :, :span]
+
+
+def rope_tables(target: FrozenTarget, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's RoPE cos and signed sin (`rotate`'s) at positions [b, T], shaped [b, 1, T, d]."""
+    cos, sin = target.decoder.rotary_emb(x, positions)
+    half = cos.shape[-1] // 2
+    return cos[:, None], torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)[:, None]
 
 
 def project_qkv(layer, qkv: tuple, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,

@@ -39,6 +39,7 @@ from dflash.placement.transport import (DrafterClient, FeatureBatch, TargetServe
 from dflash.target.frozen import (FrozenTarget, check_target_layer_ids, default_target_layer_ids, load_target_config,
                                   resolve_mask_token_id)
 from dflash.target.gguf import gguf_file, resolve_target, run_target_dir
+from dflash.target.layer_features import use_decoder_layers
 from dflash.training.checkpoint import latest_checkpoint
 from dflash.training.drafter_setup import DrafterRun, RankContext, build_drafter_run, train_dtype
 from dflash.training.metrics import TargetLog
@@ -190,7 +191,12 @@ def train(config: RunConfig, ranks: RankInfo) -> TrainResult:
     target = None
     if topology.is_target(ranks.rank):
         target = FrozenTarget.load(config.model.target, layer_ids, dtype, device)
-        if config.model.kernels == "fast" and device.type == "cuda":
+        fast_gpu = config.model.kernels == "fast" and device.type == "cuda"
+        if config.model.target_forward == "decoder":
+            use_decoder_layers(target, compiled=fast_gpu)
+            logger.info("rank %d: the target's features come from the fast decoder's layer functions%s "
+                        "(--target-forward decoder)", ranks.rank, ", compiled" if fast_gpu else "")
+        elif fast_gpu:
             target.compile_pointwise()
     out_dir = Path(config.train.output_dir)
     cache = feature_cache(config, dataset, spec, ranks) if target is not None else None
