@@ -347,7 +347,6 @@ def regenerate(args: RegenerateArgs) -> Path:
     check_args(args)
     if launch.world_size > 1:
         pin_local_gpu(launch.local_rank)
-    logger.info("reading %s and the tokenizer of %s", args.prompts, args.tokenizer or args.target)
     conversations = load_chat_jsonl(args.prompts, require_reply=False)
     if args.limit:
         conversations = conversations[: args.limit]
