@@ -52,10 +52,10 @@ def kernel_table(target: FrozenTarget, run: Callable[[], None]) -> str:
 
 @torch.no_grad()
 def time_steps(target: FrozenTarget, rows: int, capacity: int, prompt: int, steps: int, profile: bool,
-               compiled: bool = False) -> dict:
+               compiled: bool = False, compiled_prefill: bool = False) -> dict:
     """A prefill of `prompt` tokens into every row (the regeneration's prefill chunk: rows x prompt
-    tokens, eager), then `steps` graphed decode steps of all rows."""
-    static = StaticTarget(target, rows, capacity, compiled=compiled)
+    tokens, eager, or compiled for every shape), then `steps` graphed decode steps of all rows."""
+    static = StaticTarget(target, rows, capacity, compiled=compiled, compiled_prefill=compiled_prefill)
     vocab = target.embed_tokens.weight.shape[0]
     ids = torch.randint(0, vocab, (rows, prompt), generator=torch.Generator().manual_seed(0)).to(target.device)
     every_row, last = torch.arange(rows, device=target.device), torch.full((rows,), prompt - 1, device=target.device)
@@ -63,7 +63,7 @@ def time_steps(target: FrozenTarget, rows: int, capacity: int, prompt: int, step
     def prefill():
         return static.extend_rows(ids, every_row, 0, last)
 
-    choice = prefill()  # the first one warms the kernels up
+    choice = prefill()  # the first one warms the kernels up (and compiles them, with compiled_prefill)
     synchronize(target.device)
     start = time.perf_counter()
     for _ in range(PREFILL_REPEATS):
@@ -151,6 +151,8 @@ class RegenStepArgs:
     compile_target: bool = field(default=False, metadata={
         "help": "the graphed steps run the target's layers compiled (as batch-1 decoding does); "
                 "regeneration runs them eager"})
+    compile_prefill: bool = field(default=False, metadata={
+        "help": "--shapes: the prefill's layer functions compiled once for every shape (regeneration runs them eager)"})
     dtype: str = "bfloat16"
     device: str = "auto"
     output: str | None = field(default=None, metadata={"help": "also write the results as JSON here"})
@@ -176,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for rows, capacity, prompt in parse_shapes(args.shapes):
             result = time_steps(target, rows, capacity, prompt, args.steps, args.profile,
-                                args.compile_target)
+                                args.compile_target, args.compile_prefill)
             logger.info("rows %d x %d columns, prompt %d: prefill %.1f ms (%d tokens/s); %.2f ms per step, %d row-steps/s",
                         rows, result["capacity"], prompt, result["prefill_ms"], result["prefill_tokens_per_second"],
                         result["ms_per_step"], result["row_steps_per_second"])

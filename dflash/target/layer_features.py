@@ -16,9 +16,9 @@ import torch
 
 from dflash.nn.transformer import rms_norm
 from dflash.target.frozen import FrozenTarget, TargetError
-from dflash.target.static import (fast_decoding_supported, finish_layer, fused_rows, layer_windows, project_qkv,
-                                  rope_tables)
-from dflash.util.runtime import allow_compiled_variants, compile_dynamic
+from dflash.target.static import (dynamic_layer_parts, fast_decoding_supported, finish_layer, fused_rows, layer_windows,
+                                  project_qkv, rope_tables)
+from dflash.util.runtime import allow_compiled_variants
 
 
 def layer_forward_problem(target: FrozenTarget) -> str | None:
@@ -29,11 +29,6 @@ def layer_forward_problem(target: FrozenTarget) -> str | None:
     if any(layer_windows(config, len(target.layers))):
         return "it has sliding-window layers, whose window a plain causal attention would not keep"
     return None
-
-
-@functools.cache
-def _compiled_parts():
-    return compile_dynamic(project_qkv), compile_dynamic(finish_layer)
 
 
 def use_decoder_layers(target: FrozenTarget, compiled: bool) -> None:
@@ -53,7 +48,7 @@ def decoder_layer_features(target: FrozenTarget, input_ids: torch.Tensor, with_f
     """FrozenTarget._forward's result for right-padded `input_ids` [b, S]: the feature layers'
     outputs by layer id, and the final normed hidden state when asked (then every layer runs)."""
     layers, wanted = target.layers, set(target.layer_ids)
-    project, finish = _compiled_parts() if compiled else (project_qkv, finish_layer)
+    project, finish = dynamic_layer_parts() if compiled else (project_qkv, finish_layer)
     hkv = target.model.config.num_key_value_heads
     x, delta = target.embed_tokens(input_ids), None  # the residual stream is x + delta (finish_layer)
     b, s = input_ids.shape

@@ -19,6 +19,8 @@ through HF's own forward (dflash.eval.speculative's plain path).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
@@ -27,6 +29,7 @@ from dflash.nn.transformer import LiveColumns, attend, live_columns_supported, r
 from dflash.target.frozen import SHAPE_FREE_SDPA, FrozenTarget, TargetError
 from dflash.target.graphs import GraphReplays
 from dflash.target.sampling import Sampling
+from dflash.util.runtime import compile_dynamic
 
 FAST_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -92,7 +95,8 @@ class StaticTarget:
     always starts at its column 0, so column = position and nothing is padded before a prompt."""
 
     def __init__(self, target: FrozenTarget, batch: int, capacity: int, cuda_graphs: bool = True,
-                 sampling: Sampling | None = None, compiled: bool = False, prefill_step: int | None = None):
+                 sampling: Sampling | None = None, compiled: bool = False, prefill_step: int | None = None,
+                 compiled_prefill: bool = False):
         model = target.model
         config = model.config
         family = getattr(config, "model_type", type(model).__name__)
@@ -116,6 +120,7 @@ class StaticTarget:
         self._row_columns = torch.zeros(batch, dtype=torch.long, device=device)  # step_rows' input buffer
         self.graphs = GraphReplays(device, cuda_graphs)
         self.compiled = compiled and self.graphs.enabled  # the graphed steps run compiled_layer_parts
+        self.compiled_prefill = compiled_prefill  # eager prompts over themselves run dynamic_layer_parts
         # rows at their own columns (step_rows, eager layers) read only their own keys where the kernel exists
         self.live_columns = (not self.compiled
                              and live_columns_supported(device, dtype, attention.head_dim, any(self.windows)))
@@ -272,6 +277,8 @@ class StaticTarget:
             keys = columns if span is None else self.columns[None, :span]
             masks = self._masks(columns, keys, x.dtype, target.model.config.num_attention_heads // self.keys.shape[2])
         project, project_write, finish = compiled_layer_parts() if compiled else (project_qkv, None, finish_layer)
+        if self.compiled_prefill and not compiled and all(mask is None for mask in masks):
+            project, finish = dynamic_layer_parts()  # prompts of every shape: one compilation
         write_inside = compiled and shared and rows is None and span is not None
         hkv = self.keys.shape[2]
         captured = {}
@@ -399,6 +406,14 @@ def gate_and_up(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if bias is not None:
         halves = halves + bias.view(2, 1, -1)
     return halves[0].view(b, t, -1), halves[1].view(b, t, -1)
+
+
+@functools.cache
+def dynamic_layer_parts():
+    """project_qkv and finish_layer compiled once for every shape (dynamic), for forwards of fresh
+    prompts over themselves whose batch and length change each call: training's target forward
+    (--target-forward decoder) and, with compiled_prefill, the regeneration's prefills."""
+    return compile_dynamic(project_qkv), compile_dynamic(finish_layer)
 
 
 _compiled_parts = None

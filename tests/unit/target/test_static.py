@@ -353,6 +353,57 @@ def test_on_a_gpu_rows_read_their_own_keys_through_flash_attention_as_the_span_m
         assert torch.equal(static.step_rows(ids, columns, max(lengths) + 1), live[0])
 
 
+def test_with_compiled_prefill_only_fresh_prompts_run_the_layer_functions_compiled_for_every_shape(monkeypatch):
+    """compiled_prefill: a prompt entering rows at column 0 (attending only over itself) runs
+    dynamic_layer_parts; a chunk over cached columns and the decode steps keep their own. Eager
+    stand-ins count the calls: the choices equal a StaticTarget's without the option."""
+    import dflash.target.static as static_module
+    from dflash.target.static import finish_layer, project_qkv
+
+    calls = []
+
+    def counted(function):
+        def run(*args, **kwargs):
+            calls.append(function.__name__)
+            return function(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(static_module, "dynamic_layer_parts", lambda: (counted(project_qkv), counted(finish_layer)))
+    target = tiny_target("qwen3")
+    layers, g = len(target.layers), torch.Generator().manual_seed(2)
+    ids = torch.randint(0, target.model.config.vocab_size, (3, 20), generator=g)
+    every, last = torch.arange(3), torch.full((3,), 19)
+    plain, compiled = StaticTarget(target, 3, 64), StaticTarget(target, 3, 64, compiled_prefill=True)
+    want = plain.extend_rows(ids, every, 0, last)
+    assert torch.equal(compiled.extend_rows(ids, every, 0, last), want)
+    assert calls == ["project_qkv", "finish_layer"] * layers
+    calls.clear()
+    more = torch.randint(0, target.model.config.vocab_size, (3, 4), generator=g)  # a chunk over cached columns
+    assert torch.equal(compiled.extend_rows(more, every, 20, torch.full((3,), 3)),
+                       plain.extend_rows(more, every, 20, torch.full((3,), 3)))
+    columns = torch.full((3,), 24)
+    assert torch.equal(compiled.step_rows(want, columns, 25), plain.step_rows(want, columns, 25))
+    assert calls == []
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_prefill_compiled_for_every_shape_chooses_as_the_eager_one():
+    """compiled_prefill on CUDA, prompts of three shapes: bf16 features within rounding of the
+    eager prefill's."""
+    target = tiny_target("qwen3", dtype=torch.bfloat16)
+    target.model.cuda()
+    vocab, g = target.model.config.vocab_size, torch.Generator().manual_seed(3)
+    for rows, length in [(3, 21), (5, 40), (2, 77)]:
+        ids = torch.randint(0, vocab, (rows, length), generator=g).cuda()
+        every, last = torch.arange(rows).cuda(), torch.full((rows,), length - 1).cuda()
+        eager = StaticTarget(target, rows, 128, cuda_graphs=False)
+        compiled = StaticTarget(target, rows, 128, cuda_graphs=False, compiled_prefill=True)
+        columns = torch.arange(length).cuda()[None].expand(rows, -1)
+        want = eager._forward(ids, columns, None, rows=every, last=last, features=True)[1].float()
+        got = compiled._forward(ids, columns, None, rows=every, last=last, features=True)[1].float()
+        assert float((got - want).abs().max() / want.abs().max()) < 3e-2
+
+
 def test_decode_attention_alternatives_compute_what_the_static_target_calls(monkeypatch):
     """dflash.benchmarks.decode_attention times other kernels against StaticTarget's SDPA call;
     they must give the same output (rows that see different numbers of columns). LiveColumns runs
