@@ -264,7 +264,8 @@ class StaticTarget:
         each position, or after position `last` [b] of each row; features [b, T, K*D] or None).
         `compiled`: the layers run compiled_layer_parts (the graphed steps); `shared`: every row's
         columns are the same, so the compiled projection writes the cache itself; `own_keys`: one
-        token per row, each attending over its own columns only (LiveColumns, step_rows)."""
+        token per row, each attending over its own columns only (LiveColumns, step_rows). With
+        compiled_prefill, tokens attending only over themselves run dynamic_layer_parts."""
         target = self.target
         x, delta = target.embed_tokens(ids), None  # the residual stream is x + delta (finish_layer)
         cos, sin = rope_tables(target, x, columns)  # a row's column is its position
