@@ -5,7 +5,7 @@ to HF's numbers; the drafter's layers and the target's fast decoder both run the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -88,6 +88,8 @@ class LiveColumns:
     reads a row's own columns only."""
 
     lengths: torch.Tensor  # [b] int32: keys each row sees (its column + 1)
+    # the sequences' first rows, made by the first layer's call and reused by the others of a step
+    _starts: dict = field(default_factory=dict, compare=False, repr=False)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
         """q in attend's decoding layout [b, Hkv, group, d] (one token: the rows of a key/value head
@@ -106,9 +108,12 @@ class LiveColumns:
             rows = (b - 1) * hkv * capacity + capacity  # the last sequence's columns end the storage
             return cache.as_strided((rows, hkv, d), (d, capacity * d, 1), cache.storage_offset())
 
-        device = q.device
-        starts_q = torch.arange(b + 1, dtype=torch.int32, device=device)
-        starts_k = torch.arange(0, (b + 1) * hkv * capacity, hkv * capacity, dtype=torch.int32, device=device)
+        key = (b, hkv, capacity, q.device)
+        if key not in self._starts:
+            self._starts[key] = (torch.arange(b + 1, dtype=torch.int32, device=q.device),
+                                 torch.arange(0, (b + 1) * hkv * capacity, hkv * capacity, dtype=torch.int32,
+                                              device=q.device))
+        starts_q, starts_k = self._starts[key]
         out = flash_varlen(q.reshape(b, hkv * group, d), packed(k), packed(v), starts_q, starts_k, 1, capacity, scale,
                            self.lengths)
         return out.view(b, hkv, group, d)
