@@ -93,7 +93,7 @@ class TrainArgs:
     muon_lr: float = field(default=0.2, metadata={"help": "--optimizer muon: peak learning rate of the 2-D weights (spectral norm per step)"})
     warmup_ratio: float = field(default=0.04, metadata={"help": "share of the steps the learning rate warms up over (see --min-warmup-steps)"})
     min_warmup_steps: int = field(default=40, metadata={"help": "the learning rate rises no faster than a linear warmup over this many steps (at most half the run), whatever --warmup-ratio or --max-minutes make of the curve: 2 / (1 - AdamW's beta2 of 0.95), the steps its second moments take to settle (0: the ratio alone)"})
-    weight_decay: float = 0.0
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW's decoupled weight decay, on the drafter's weight matrices only (its norms' gains are not decayed)"})
     grad_clip: float = 1.0
     grad_accum: int = 1
     max_anchors: int | None = field(default=None, metadata={"help": "A, anchors per sequence (recipe 512, demo 16)"})

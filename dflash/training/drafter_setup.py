@@ -196,8 +196,20 @@ def make_optimizer(config: RunConfig, drafter, ds_config: dict, device: torch.de
             "momentum": 0.95, "weight_decay": t.weight_decay,
             "torch_adam": True}}  # torch's AdamW for the 1-D half: DeepSpeed's FusedAdam is a JIT build
         return None
-    return torch.optim.AdamW(drafter.parameters(), lr=t.lr, betas=ADAM_BETAS, weight_decay=t.weight_decay,
+    return torch.optim.AdamW(decay_groups(drafter, t.weight_decay), lr=t.lr, betas=ADAM_BETAS,
                              fused=device.type == "cuda")
+
+
+def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW's parameter groups: `weight_decay` on the weight matrices, none on the 1-D weights
+    (norm gains: decaying them shrinks the layers' outputs, not their capacity). Without weight
+    decay, one group, as checkpoints made without it hold."""
+    params = list(model.parameters())
+    if weight_decay == 0:
+        return [{"params": params, "weight_decay": 0.0}]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
 
 
 def default_deepspeed_config(device: torch.device) -> dict:

@@ -134,3 +134,23 @@ def test_the_recipe_check_compares_only_what_the_checkpoint_records(tmp_path):
     with pytest.raises(ConfigError, match=r"--gamma 5.0 \(the checkpoint: None\); --optimizer 'muon' "
                                           r"\(the checkpoint: 'adamw'\)"):
         check_resumed_recipe(saved, TrainArgs(optimizer="muon", gamma=5.0), tmp_path)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.5])
+def test_weight_decay_shrinks_the_weight_matrices_and_leaves_the_norm_gains(weight_decay):
+    from dflash.nn.transformer import RMSNorm
+    from dflash.training.drafter_setup import make_optimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False), RMSNorm(8, eps=1e-6))
+    model[1].weight.data.uniform_(0.5, 1.5)
+    before = [p.detach().clone() for p in model.parameters()]
+    train = SimpleNamespace(optimizer="adamw", lr=0.1, weight_decay=weight_decay)
+    optimizer = make_optimizer(SimpleNamespace(train=train), model, {}, torch.device("cpu"))
+    assert len(optimizer.param_groups) == (2 if weight_decay else 1)  # one group: as checkpoints without decay hold
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)  # a zero gradient: Adam's own step is 0, so what moves is the decay alone
+    optimizer.step()
+    matrix, gain = (p.detach() for p in model.parameters())
+    torch.testing.assert_close(matrix, before[0] * (1 - 0.1 * weight_decay), rtol=0, atol=1e-7)
+    torch.testing.assert_close(gain, before[1], rtol=0, atol=0)
