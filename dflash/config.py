@@ -111,6 +111,7 @@ class TrainArgs:
     seed: int = 0
     log_every: int = 10
     profile_steps: int = field(default=0, metadata={"help": "profile this many optimizer steps after the first 20 (GPU): <output-dir>/profile/"})
+    profile_host: bool = field(default=False, metadata={"help": "with --profile-steps: record the host's ops too, and name the op the host was in while the GPU waited (the profiler's own work widens the gaps)"})
     spike_factor: float = field(default=3.0, metadata={"help": "skip a micro-batch whose loss exceeds this x the running mean (0: only NaN/inf)"})
     save_every: int | None = field(default=None, metadata={"help": "checkpoint every N optimizer steps (default: by time, see --save-every-minutes; 0: no periodic checkpoints at all)"})
     save_every_minutes: float | None = field(default=None, metadata={"help": f"checkpoint every M minutes of training (default {DEFAULT_SAVE_MINUTES:g}, unless --save-every N is given; both: whichever comes first)"})
@@ -443,6 +444,8 @@ def _validate_optimization(t: TrainArgs) -> None:
     _require(t.log_every >= 1, f"--log-every {t.log_every}: need at least 1")
     _require(t.eval_every >= 0, f"--eval-every {t.eval_every}: use 0 (off) or a step count")
     _require(t.profile_steps >= 0, f"--profile-steps {t.profile_steps}: use 0 (off) or a step count")
+    _require(not t.profile_host or t.profile_steps > 0, "--profile-host records the host inside the --profile-steps "
+             "window: give --profile-steps N too")
 
 
 def _validate_output(t: TrainArgs, for_training: bool) -> None:

@@ -5,7 +5,9 @@ The table is the account of where a step's GPU time goes (matmuls, attention, th
 elementwise kernels, optimizer, copies, communication) and how much of the window the GPU was
 busy at all. The rest is host time (Python, launches, synchronisation): the trace's GPU timeline
 says where in the step the GPU waited, by the kernels that end and start each idle gap. Only GPU
-activity is recorded, so that the profiler's own per-op work on the host does not widen the gaps.
+activity is recorded, so that the profiler's own per-op work on the host does not widen the gaps;
+`--profile-host` records the host's ops too and names the op the host was in while the GPU waited
+(at the price of wider gaps: the profiler's own per-op work).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import torch
@@ -25,6 +27,12 @@ GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
 # A stream kept fed starts a kernel within a few microseconds of the last one's end; a longer gap
 # means the GPU waited for the host (the list names such gaps; the idle total counts every gap).
 GAP_FLOOR_US = 20.0
+# Host-side trace categories: aten ops and record_function ranges (the training thread's call tree).
+HOST_WORK = ("cpu_op", "user_annotation")
+# A gap's host time is sampled at points this far apart (at most HOST_SAMPLES_PER_GAP of them).
+HOST_SAMPLE_US = 20.0
+HOST_SAMPLES_PER_GAP = 50
+BETWEEN_OPS = "(between ops: Python)"
 
 # Kernel-name fragments -> family, first match wins.
 FAMILIES = [
@@ -48,8 +56,10 @@ def family(kernel: str) -> str:
 class StepProfiler:
     """Profiles optimizer steps [start, start + steps) when steps > 0 (CUDA only)."""
 
-    def __init__(self, out_dir: Path, start: int, steps: int, device: torch.device, enabled: bool):
+    def __init__(self, out_dir: Path, start: int, steps: int, device: torch.device, enabled: bool,
+                 host: bool = False):
         self.active = enabled and steps > 0 and device.type == "cuda"
+        self.host = host
         self.out_dir, self.start, self.stop = out_dir / "profile", start, start + steps
         self.profiler = None
 
@@ -58,7 +68,10 @@ class StepProfiler:
         if not self.active:
             return
         if self.profiler is None and global_step == self.start:
-            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            activities = [torch.profiler.ProfilerActivity.CUDA]
+            if self.host:
+                activities.append(torch.profiler.ProfilerActivity.CPU)
+            self.profiler = torch.profiler.profile(activities=activities)
             torch.cuda.synchronize()
             self.profiler.__enter__()
             self.started = time.perf_counter()
@@ -73,7 +86,8 @@ class StepProfiler:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         trace = self.out_dir / "trace.json"
         self.profiler.export_chrome_trace(str(trace))
-        summary = summarize(gpu_timeline(json.loads(trace.read_text())), wall_s, steps)
+        events = json.loads(trace.read_text())
+        summary = summarize(gpu_timeline(events), wall_s, steps, host_timeline(events) if self.host else None)
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         gaps = summary["host_gaps"]
         logger.info("profile of %d steps: %.0f ms/step wall, GPU busy %.0f%%; GPU time by kernel family %s; "
@@ -81,10 +95,15 @@ class StepProfiler:
                     100 * summary["gpu_busy_fraction"], summary["share_of_gpu_time"], gaps["idle_ms_per_step"],
                     "; ".join(f"{g['after'][:40]} ({g['ms_per_step']} ms)" for g in gaps["largest"][:3]) or "none",
                     self.out_dir)
+        if "host_during_gaps" in summary:
+            logger.info("while the GPU waited the host was in (ms a step): %s", "; ".join(
+                f"{name[:60]} {ms}" for name, ms in list(summary["host_during_gaps"].items())[:5]))
 
 
-def summarize(work: list[tuple[float, float, str]], wall_s: float, steps: int) -> dict:
-    """The profile's summary from its GPU timeline (gpu_timeline) and the window's wall time."""
+def summarize(work: list[tuple[float, float, str]], wall_s: float, steps: int,
+              host: list[tuple[float, float, str]] | None = None) -> dict:
+    """The profile's summary from its GPU timeline (gpu_timeline) and the window's wall time; with
+    the host's (host_timeline), also what the host was in while the GPU waited."""
     by_family: dict[str, float] = defaultdict(float)
     top: dict[str, float] = defaultdict(float)
     for start, end, name in work:
@@ -99,6 +118,7 @@ def summarize(work: list[tuple[float, float, str]], wall_s: float, steps: int) -
         "top_kernels_ms_per_step": {k[:120]: round(v / steps * 1e3, 2)
                                     for k, v in sorted(top.items(), key=lambda x: -x[1])[:25]},
         "host_gaps": idle_gaps(work, steps),
+        **({"host_during_gaps": host_during_gaps(work, host, steps)} if host is not None else {}),
     }
 
 
@@ -109,25 +129,72 @@ def gpu_timeline(trace: dict) -> list[tuple[float, float, str]]:
                   if e.get("ph") == "X" and e.get("cat") in GPU_WORK)
 
 
+def host_timeline(trace: dict) -> list[tuple[float, float, str]]:
+    """(start, end, name) of the host's ops on the thread that ran the most of them (the training
+    loop's), by start, the enclosing op before the ops it holds."""
+    ops = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") in HOST_WORK]
+    if not ops:
+        return []
+    threads = Counter(e.get("tid") for e in ops)
+    main = threads.most_common(1)[0][0]
+    return [(start, end, name) for start, _, end, name in sorted(
+        (float(e["ts"]), -float(e.get("dur", 0.0)), float(e["ts"]) + float(e.get("dur", 0.0)), e["name"])
+        for e in ops if e.get("tid") == main)]
+
+
+def gpu_gaps(work: list[tuple[float, float, str]]):
+    """Each stretch with no GPU work between the first start and the last end, as (start, end, the
+    work that ended last before it, the work that started after it)."""
+    if not work:
+        return
+    busy_until, last = work[0][1], work[0][2]
+    for start, end, name in work[1:]:
+        if start > busy_until:
+            yield busy_until, start, last, name
+        if end >= busy_until:
+            busy_until, last = end, name
+
+
+def host_during_gaps(work: list[tuple[float, float, str]], host: list[tuple[float, float, str]], steps: int,
+                     top: int = 10) -> dict[str, float]:
+    """Milliseconds a step of GPU idle (gaps of at least GAP_FLOOR_US) by the innermost host op open
+    at the time (BETWEEN_OPS where none is: the host ran Python between ops); sampled every
+    HOST_SAMPLE_US of each gap."""
+    points = []
+    for start, end, _, _ in gpu_gaps(work):
+        if end - start >= GAP_FLOOR_US:
+            n = max(1, min(HOST_SAMPLES_PER_GAP, int((end - start) / HOST_SAMPLE_US)))
+            points += [(start + (i + 0.5) * (end - start) / n, (end - start) / n) for i in range(n)]
+    tally: dict[str, float] = defaultdict(float)
+    open_ops: list[tuple[float, str]] = []  # (end, name), innermost last
+    i = 0
+    for t, weight in sorted(points):
+        while i < len(host) and host[i][0] <= t:
+            while open_ops and open_ops[-1][0] <= host[i][0]:
+                open_ops.pop()
+            open_ops.append((host[i][1], host[i][2]))
+            i += 1
+        while open_ops and open_ops[-1][0] <= t:
+            open_ops.pop()
+        tally[open_ops[-1][1] if open_ops else BETWEEN_OPS] += weight
+    return {name: round(us / steps / 1e3, 3) for name, us in sorted(tally.items(), key=lambda x: -x[1])[:top]}
+
+
 def idle_gaps(work: list[tuple[float, float, str]], steps: int, top: int = 10) -> dict:
     """When no stream had work: the idle time a step between the first start and the last end, and
     the gaps of at least GAP_FLOOR_US summed by where they sit (the work that ended last before
     each, and the work that started it again)."""
     if not work:
         return {"span_ms_per_step": 0.0, "idle_ms_per_step": 0.0, "largest": []}
-    idle, busy_until, last = 0.0, work[0][1], work[0][2]
+    idle = 0.0
     sites: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
-    for start, end, name in work[1:]:
-        if start > busy_until:
-            gap = start - busy_until
-            idle += gap
-            if gap >= GAP_FLOOR_US:
-                site = sites[(last[:100], name[:100])]
-                site[0] += gap
-                site[1] += 1
-        if end >= busy_until:
-            busy_until, last = end, name
-    span = busy_until - work[0][0]
+    for start, end, after, before in gpu_gaps(work):
+        idle += end - start
+        if end - start >= GAP_FLOOR_US:
+            site = sites[(after[:100], before[:100])]
+            site[0] += end - start
+            site[1] += 1
+    span = max(end for _, end, _ in work) - work[0][0]
     largest = sorted(sites.items(), key=lambda item: -item[1][0])[:top]
     return {
         "span_ms_per_step": round(span / steps / 1e3, 3),

@@ -47,7 +47,7 @@ class RunReport:
         self.metrics = MetricsLogger(ctx.out_dir, config.train.report_to, config.train.wandb_mode,
                                      settings, enabled=run.is_main, start_step=run.engine.global_steps)
         self.profiler = StepProfiler(ctx.out_dir, PROFILE_AFTER_STEPS, config.train.profile_steps, device,
-                                     enabled=run.is_main)
+                                     enabled=run.is_main, host=config.train.profile_host)
         self.tau: dict = {}
         self.started = time.perf_counter()
         self.first_step = run.engine.global_steps

@@ -2,7 +2,7 @@
 
 import pytest
 
-from dflash.training.profiling import GAP_FLOOR_US, gpu_timeline, summarize
+from dflash.training.profiling import BETWEEN_OPS, GAP_FLOOR_US, gpu_timeline, host_timeline, summarize
 
 
 def kernel(name, ts, dur, cat="kernel"):
@@ -43,6 +43,36 @@ def test_the_summary_finds_the_step_boundary_gap_and_the_families():
     assert summary["gpu_busy_fraction"] == pytest.approx(1000e-6 / 0.002)
 
 
+def host_op(name, ts, dur, tid=1, cat="cpu_op"):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": tid}
+
+
+def test_the_host_op_open_while_the_gpu_waits_is_named_innermost_first():
+    """One step: kernels [0, 10) and [110, 120), a 100 us gap sampled at 20, 40, 60, 80, 100. The
+    training thread is in `step` throughout and in aten::nonzero over [20, 60): the samples at 20
+    and 40 fall in nonzero, 60 (where nonzero has ended) and 80 in `step`; `step` ends at 90, so 100
+    falls between ops. Another thread's op, and ops outside the gap, count for nothing."""
+    events = [kernel("gemm", 0, 10), kernel("adam", 110, 10),
+              host_op("step", 0, 90, cat="user_annotation"), host_op("aten::nonzero", 20, 40),
+              host_op("aten::mm", 0, 5), host_op("aten::add", 112, 3),
+              host_op("pin_memory", 15, 100, tid=2)]
+    trace = {"traceEvents": events[::-1]}
+    host = host_timeline(trace)
+    assert [name for _, _, name in host] == ["step", "aten::mm", "aten::nonzero", "aten::add"]
+    summary = summarize(gpu_timeline(trace), wall_s=120e-6, steps=1, host=host)
+    assert summary["host_during_gaps"] == {"aten::nonzero": 0.04, "step": 0.04, BETWEEN_OPS: 0.02}
+    assert "host_during_gaps" not in summarize(gpu_timeline(trace), wall_s=120e-6, steps=1)
+
+
+def test_profile_host_needs_the_profile_window(tmp_path):
+    from dflash.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match="--profile-steps"):
+        parse_config(["--profile-host", "true", "--output-dir", str(tmp_path)])
+    config = parse_config(["--profile-host", "true", "--profile-steps", "2", "--output-dir", str(tmp_path)])
+    assert config.train.profile_host and config.train.profile_steps == 2
+
+
 def test_an_empty_window_has_no_gaps_and_instant_work_no_share():
     summary = summarize([], wall_s=0.1, steps=3)
     assert summary["host_gaps"] == {"span_ms_per_step": 0.0, "idle_ms_per_step": 0.0, "largest": []}
@@ -72,3 +102,28 @@ def test_a_cuda_profile_window_writes_a_summary_with_the_kernels_and_the_host_ga
     assert summary["steps"] == 2 and summary["share_of_gpu_time"].get("matmul", 0) > 0.3
     gaps = summary["host_gaps"]
     assert gaps["idle_ms_per_step"] > 5 and gaps["largest"], gaps
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_host_profile_names_what_the_host_did_while_the_gpu_waited(tmp_path):
+    """With the host's ops recorded, a Python sleep between steps (no op) and a host sync inside an
+    op show up in host_during_gaps, and the GPU work is still all there."""
+    import json
+    import time
+
+    import torch
+
+    from dflash.training.profiling import StepProfiler
+
+    assert torch.cuda.is_available(), "the gpu tests need a CUDA device"
+    a = torch.randn(2048, 2048, device="cuda")
+    profiler = StepProfiler(tmp_path, start=1, steps=2, device=torch.device("cuda"), enabled=True, host=True)
+    for step in range(1, 4):
+        profiler.step_done(step)
+        for _ in range(4):
+            a = torch.tanh(a @ a)
+        time.sleep(0.02)  # Python keeps the GPU waiting
+    summary = json.loads((tmp_path / "profile" / "summary.json").read_text())
+    assert summary["share_of_gpu_time"].get("matmul", 0) > 0.3
+    during = summary["host_during_gaps"]
+    assert during.get(BETWEEN_OPS, 0) > 10, during
