@@ -49,9 +49,9 @@ def host_op(name, ts, dur, tid=1, cat="cpu_op"):
 
 def test_the_host_op_open_while_the_gpu_waits_is_named_innermost_first():
     """One step: kernels [0, 10) and [110, 120), a 100 us gap sampled at 20, 40, 60, 80, 100. The
-    training thread is in `step` throughout and in aten::nonzero over [20, 60): the samples at 20
-    and 40 fall in nonzero, 60 (where nonzero has ended) and 80 in `step`; `step` ends at 90, so 100
-    falls between ops. Another thread's op, and ops outside the gap, count for nothing."""
+    training thread is in `step` over [0, 90) and in aten::nonzero over [20, 60): the samples at 20
+    and 40 fall in nonzero, 60 (where nonzero has ended) and 80 in `step`, 100 (after `step`)
+    between ops. Another thread's op, and ops outside the gap, count for nothing."""
     events = [kernel("gemm", 0, 10), kernel("adam", 110, 10),
               host_op("step", 0, 90, cat="user_annotation"), host_op("aten::nonzero", 20, 40),
               host_op("aten::mm", 0, 5), host_op("aten::add", 112, 3),
