@@ -83,9 +83,16 @@ def dense_block_mask(layout: BlockLayout) -> torch.Tensor:
     return mask[:, None]
 
 
+# flex attention's sparse tile: query rows x key columns.
+FLEX_TILE = 128
+
+
 def flex_block_mask(layout: BlockLayout, num_query: int):
-    """The same pattern as `dense_block_mask`, as a flex-attention BlockMask (CUDA)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    """The same pattern as `dense_block_mask`, as a flex-attention BlockMask (CUDA). Which tiles
+    hold allowed entries comes from the anchors directly (flex_tiles): torch's create_block_mask
+    would evaluate the mask at every (query, key) pair of the micro-batch, about 10^8 of them,
+    in a chain of eager int64 kernels each step."""
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
     anchors, valid = layout.anchors, layout.valid
     bs, s, window = layout.block_size, layout.context_len, layout.window
@@ -102,9 +109,52 @@ def flex_block_mask(layout: BlockLayout, num_query: int):
             sees_ctx = sees_ctx & (kv_idx >= anchor - window)
         return sees_ctx | same_block
 
-    return create_block_mask(
-        mask_mod, B=b, H=None, Q_LEN=num_query, KV_LEN=s + num_query, device=anchors.device
-    )
+    if FLEX_TILE % bs:  # a block would straddle two query tiles: let torch evaluate the mask
+        return create_block_mask(mask_mod, B=b, H=None, Q_LEN=num_query, KV_LEN=s + num_query, device=anchors.device)
+    partial, full = flex_tiles(layout, num_query)
+    counts, indices = ordered_tiles(partial)
+    full_counts, full_indices = ordered_tiles(full)
+    return BlockMask.from_kv_blocks(counts, indices, full_counts, full_indices, BLOCK_SIZE=FLEX_TILE,
+                                    mask_mod=mask_mod, seq_lengths=(num_query, s + num_query))
+
+
+def flex_tiles(layout: BlockLayout, num_query: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """([b, 1, query tiles, key tiles] bool) the tiles some but not all of whose entries are
+    allowed, and those all of whose entries are, for FLEX_TILE-square tiles of the [num_query,
+    S + num_query] pattern padded with masked entries (as create_block_mask classifies them). A
+    block's rows all see the same columns, its context span and its own slots, so a tile's
+    class follows from how many of the tile's columns each block in it sees. Needs FLEX_TILE % B == 0."""
+    anchors, valid = layout.anchors, layout.valid
+    bs, s, window = layout.block_size, layout.context_len, layout.window
+    b, n = anchors.shape
+    device = anchors.device
+    per_tile = FLEX_TILE // bs
+    query_tiles = -(-num_query // FLEX_TILE)
+    key_tiles = -(-(s + num_query) // FLEX_TILE)
+    slots = query_tiles * per_tile  # blocks past n are padding rows: they see nothing
+    ends = torch.nn.functional.pad(anchors.clamp(max=s), (0, slots - n))
+    real = torch.nn.functional.pad(valid, (0, slots - n))
+    starts = (ends - window).clamp(min=0) if window > 0 else torch.zeros_like(ends)
+    tile_start = torch.arange(key_tiles, device=device) * FLEX_TILE
+    tile_end = tile_start + FLEX_TILE
+
+    def overlap(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:  # |[lo, hi) & each key tile|
+        return (torch.minimum(hi[..., None], tile_end) - torch.maximum(lo[..., None], tile_start)).clamp(min=0)
+
+    context = overlap(starts, ends) * real[..., None]  # [b, slots, key tiles]
+    slot_start = s + torch.arange(slots, device=device) * bs
+    own = overlap(slot_start, slot_start + bs) * (torch.arange(slots, device=device) < n)[:, None]
+    seen = (context + own).view(b, query_tiles, per_tile, key_tiles)
+    full = (seen == FLEX_TILE).all(dim=2)
+    partial = (seen > 0).any(dim=2) & ~full
+    return partial[:, None], full[:, None]
+
+
+def ordered_tiles(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A BlockMask's (count, key-tile indices) per query tile, the listed tiles first in
+    ascending order: the order create_block_mask gives."""
+    tiles = tiles.to(torch.int32)
+    return tiles.sum(dim=-1, dtype=torch.int32), torch.argsort(tiles, dim=-1, descending=True, stable=True).to(torch.int32)
 
 
 def build_mask(layout: BlockLayout, backend: str):
