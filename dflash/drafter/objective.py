@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash.drafter.attention import BlockLayout
-from dflash.util.runtime import compile_dynamic
+from dflash.util.runtime import compile_dynamic, to_device_async
 
 
 def default_gamma(block_size: int) -> float:
@@ -55,7 +55,7 @@ def sample_anchors(
         first = candidates.float().argmax(dim=1, keepdim=True)
         offset = torch.arange(candidates.shape[1], device=candidates.device)[None] - first
         candidates = candidates & (offset % block_size == 0)
-    scores = torch.rand(candidates.shape, generator=generator).to(candidates.device)
+    scores = to_device_async(torch.rand(candidates.shape, generator=generator), candidates.device)
     scores = scores.masked_fill(~candidates, -1.0)
     available = candidates.sum(dim=1, keepdim=True)  # [b, 1]
     taken = available.clamp(max=max_anchors)

@@ -45,6 +45,9 @@ class DrafterStep:
         self.embed_tokens = embed_tokens
         self.lm_head = DraftHead.of(drafter, lm_head)
         self.settings = settings
+        # where the loss is computed: a copy from host memory at every micro-batch would make the
+        # host wait for the GPU
+        self.slot_weights = settings.slot_weights.to(embed_tokens.weight.device)
 
     def make_blocks(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, layout: BlockLayout) -> Blocks:
         layout = dataclasses.replace(layout, window=self.drafter.window)  # the drafter's own window
@@ -83,13 +86,13 @@ class DrafterStep:
         hidden = self.hidden(blocks, features)
         teacher = final_hidden if self.settings.kl_weight > 0 else None
         return dflash_loss(
-            hidden, blocks, self.lm_head, self.settings.slot_weights,
+            hidden, blocks, self.lm_head, self.slot_weights,
             teacher_hidden=teacher, kl_weight=self.settings.kl_weight, chunk_size=self.settings.lm_head_chunk,
             fused=self.settings.fused_loss, terms=self.settings.terms, denominators=denominators,
         )
 
     def denominators(self, blocks: Blocks) -> LossDenominators:
-        return LossDenominators.of(blocks, self.settings.slot_weights)
+        return LossDenominators.of(blocks, self.slot_weights)
 
     def empty_loss(self) -> LossOutput:
         """A zero loss wired to every parameter: a rank with no samples at a step still joins

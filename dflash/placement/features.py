@@ -21,6 +21,7 @@ from dflash.placement.transport import DrafterClient, FeatureBatch
 from dflash.target.frozen import FrozenTarget
 from dflash.target.length_groups import plan_length_groups
 from dflash.util.phases import PhaseClock
+from dflash.util.runtime import to_device_async
 
 
 class FeatureCache:
@@ -80,8 +81,9 @@ def compute_features(target: FrozenTarget, dataset: TokenDataset, indices: list[
     cached = cache.lookup(indices, batch["input_ids"].shape[1]) if cache is not None else None
     planned = cached is None and length_groups > 1
     groups = plan_length_groups(batch["lengths"].numpy(), length_groups) if planned else []
-    # every copy before the target's forward: a copy queued behind it would wait for all of it
-    input_ids, loss_mask = batch["input_ids"].to(target.device), batch["loss_mask"].to(target.device)
+    # from pinned memory, so that the host queues the target's forward without waiting for the
+    # previous step's work; every copy before the forward: one queued behind it waits for all of it
+    input_ids, loss_mask = to_device_async(batch["input_ids"], target.device), to_device_async(batch["loss_mask"], target.device)
     rows = [torch.from_numpy(g.rows) for g in groups] if len(groups) > 1 else []
     parts = [(batch["input_ids"][r, :g.width].to(target.device), r.to(target.device)) for r, g in zip(rows, groups)]
     if clock is not None:

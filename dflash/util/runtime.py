@@ -36,6 +36,14 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def to_device_async(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without the host waiting for the GPU: a copy from pageable
+    memory synchronizes the stream first, one from pinned memory queues behind its work."""
+    if device.type == "cuda" and values.device.type == "cpu":
+        values = values.pin_memory()
+    return values.to(device, non_blocking=True)
+
+
 class HostCopy:
     """A device tensor's values on the host without waiting for the work queued after it: copied
     into pinned memory in queue order, and waited for only when read."""

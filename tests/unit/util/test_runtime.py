@@ -5,10 +5,12 @@ recompiles they caused are gone)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
 
-from dflash.util.runtime import COMPILED_VARIANTS, allow_compiled_variants, compile_dynamic, dynamic_compile_options
+from dflash.util.runtime import (COMPILED_VARIANTS, allow_compiled_variants, compile_dynamic, dynamic_compile_options,
+                                  to_device_async)
 
 
 def compiled_shapes(shapes: int) -> int:
@@ -40,3 +42,23 @@ def test_code_compiled_for_every_shape_asks_inductor_for_size_free_fusion():
     layer = compile_dynamic(torch.nn.Linear(2, 2))
     assert isinstance(layer, torch.nn.Linear)
     assert callable(compile_dynamic(lambda x: x * 2))
+
+
+def test_a_host_tensor_copied_asynchronously_keeps_its_values():
+    values = torch.randn(4, 5)
+    assert torch.equal(to_device_async(values, torch.device("cpu")), values)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_host_tensor_reaches_the_device_without_the_host_waiting_for_queued_work():
+    """With matmuls queued for a while, the copy returns while they still run (a copy from
+    pageable memory would wait for them), and the values arrive intact behind them."""
+    assert torch.cuda.is_available(), "the gpu tests need a CUDA device"
+    a = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    for _ in range(500):  # about a second on an H100
+        a = a @ a / 64
+    values = torch.randn(1000, 1000)
+    on_device = to_device_async(values, torch.device("cuda"))
+    assert not torch.cuda.current_stream().query(), "the host waited for the queued matmuls"
+    assert torch.equal(on_device.cpu(), values)
