@@ -56,7 +56,8 @@ def compare(shapes: list[tuple[int, int, int, int]], window: int, device: torch.
             return create_block_mask(ours.mask_mod, B=rows, H=None, Q_LEN=queries, KV_LEN=context + queries,
                                      device=device)
 
-        same = all(torch.equal(getattr(ours, f), getattr(evaluated(), f)) for f in MASK_FIELDS)
+        reference = evaluated()
+        same = all(torch.equal(getattr(ours, f), getattr(reference, f)) for f in MASK_FIELDS)
         results.append({"rows": rows, "context": context, "anchors": anchors, "block_size": block_size,
                         "from_anchors_ms": round(time_ms(lambda: flex_block_mask(layout, queries), device, repeats), 3),
                         "create_block_mask_ms": round(time_ms(evaluated, device, repeats), 3), "same": same})

@@ -154,7 +154,8 @@ def ordered_tiles(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A BlockMask's (count, key-tile indices) per query tile, the listed tiles first in
     ascending order: the order create_block_mask gives."""
     tiles = tiles.to(torch.int32)
-    return tiles.sum(dim=-1, dtype=torch.int32), torch.argsort(tiles, dim=-1, descending=True, stable=True).to(torch.int32)
+    order = torch.argsort(tiles, dim=-1, descending=True, stable=True)
+    return tiles.sum(dim=-1, dtype=torch.int32), order.to(torch.int32)
 
 
 def build_mask(layout: BlockLayout, backend: str):

@@ -83,7 +83,8 @@ def compute_features(target: FrozenTarget, dataset: TokenDataset, indices: list[
     groups = plan_length_groups(batch["lengths"].numpy(), length_groups) if planned else []
     # from pinned memory, so that the host queues the target's forward without waiting for the
     # previous step's work; every copy before the forward: one queued behind it waits for all of it
-    input_ids, loss_mask = to_device_async(batch["input_ids"], target.device), to_device_async(batch["loss_mask"], target.device)
+    input_ids = to_device_async(batch["input_ids"], target.device)
+    loss_mask = to_device_async(batch["loss_mask"], target.device)
     rows = [torch.from_numpy(g.rows) for g in groups] if len(groups) > 1 else []
     parts = [(batch["input_ids"][r, :g.width].to(target.device), r.to(target.device)) for r, g in zip(rows, groups)]
     if clock is not None:
