@@ -13,8 +13,10 @@ their features from HF's (relative to the largest feature).
 
 With --shard (a prepared training shard, <run>/data/train) the micro-batches are the ones the
 sampler draws from it, rows of mixed lengths, each collated, copied and run as training runs it
-(compute_features) once for every --length-groups value (default 1 and 4): ms a micro-batch, real
-tokens/s, and the share of the positions computed that are real.
+(compute_features) once for every --length-groups value (default 1 and 4), then with the rows
+packed (`--target-forward packed`: real tokens only, in one forward): ms a micro-batch, real tokens/s,
+the share of the positions computed that are real, and for the packed rows the largest difference of
+their features from the padded forward's (relative to the largest feature).
 """
 
 from __future__ import annotations
@@ -30,13 +32,14 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from dflash.config import DEFAULT_BUCKETS
-from dflash.data.dataset import TokenDataset
+from dflash.data.dataset import TokenDataset, collate
 from dflash.data.sampler import RankAwareBucketSampler
 from dflash.placement.features import compute_features
 from dflash.target.frozen import SHAPE_FREE_SDPA, FrozenTarget, default_target_layer_ids, load_target_config
 from dflash.target.gguf import resolve_target
 from dflash.target.length_groups import computed_positions, plan_length_groups
 from dflash.target.layer_features import layer_forward_problem, use_decoder_layers
+from dflash.target.packed import packed_forward_problem, use_packed_rows
 from dflash.util.cli import ConfigError, cli_parser
 from dflash.util.runtime import pick_device, setup_logging, synchronize
 
@@ -45,6 +48,7 @@ logger = logging.getLogger(__name__)
 BACKENDS = {"flash, efficient, math (training's)": SHAPE_FREE_SDPA,
             "cuDNN first where it applies": [SDPBackend.CUDNN_ATTENTION, *SHAPE_FREE_SDPA]}
 DECODER_LAYERS = "the fast decoder's layers (--target-forward decoder)"
+PACKED_ROWS = "packed rows (--target-forward packed)"
 
 
 @dataclass
@@ -119,10 +123,23 @@ def time_shard_batches(target: FrozenTarget, dataset: TokenDataset, batches: lis
             seconds.append(time.perf_counter() - start)
             lengths = dataset.lengths[indices]
             real += int(lengths.sum())
-            computed += computed_positions(plan_length_groups(lengths, groups))
+            packed = target.packed_forward is not None
+            computed += int(lengths.sum()) if packed else computed_positions(plan_length_groups(lengths, groups))
     return {"ms_per_micro_batch_median": round(1e3 * statistics.median(seconds), 3),
             "real_tokens_per_second": round(real / sum(seconds)), "real_share_of_computed": round(real / computed, 4),
             "micro_batches": len(seconds)}
+
+
+@torch.no_grad()
+def packed_difference(target: FrozenTarget, dataset: TokenDataset, indices: list[int]) -> float:
+    """How far a micro-batch's features with its rows packed are from the padded forward's, at
+    the real positions, over the largest feature."""
+    batch = collate(dataset, indices, 0)
+    ids, lengths = batch["input_ids"].to(target.device), batch["lengths"]
+    packed = target.features(ids, lengths=lengths).features.float()
+    reference = target.features(ids).features.float()
+    real = (torch.arange(ids.shape[1]) < lengths[:, None]).to(target.device)
+    return float((packed - reference)[real].abs().max() / reference[real].abs().max())
 
 
 def shard_batches(args: TargetForwardArgs, dataset: TokenDataset) -> list[list[int]]:
@@ -154,6 +171,12 @@ def main(argv: list[str] | None = None) -> dict:
         for groups in args.length_groups:
             results[f"length groups {groups}"] = time_shard_batches(target, dataset, batches, groups, args.warmup)
             logger.info("length groups %d: %s", groups, results[f"length groups {groups}"])
+        if packed_forward_problem(target) is None:  # what --target-forward packed trains with
+            use_packed_rows(target)
+            results[PACKED_ROWS] = {**time_shard_batches(target, dataset, batches, 1, args.warmup),
+                                    "largest_difference_over_largest_feature":
+                                        packed_difference(target, dataset, batches[0])}
+            logger.info("%s: %s", PACKED_ROWS, results[PACKED_ROWS])
     else:
         for n, (name, backends) in enumerate(BACKENDS.items()):
             target.attention_backends = backends

@@ -92,7 +92,7 @@ def compute_features(target: FrozenTarget, dataset: TokenDataset, indices: list[
     reused = cached is not None
     if cached is None:
         out = (target.features_by_length(parts, tuple(input_ids.shape), with_final_hidden=with_final_hidden)
-               if parts else target.features(input_ids, with_final_hidden=with_final_hidden))
+               if parts else target.features(input_ids, with_final_hidden=with_final_hidden, lengths=batch["lengths"]))
         cached = out.features, out.final_hidden
         if cache is not None:
             cache.store(indices, batch["lengths"], *cached)

@@ -115,6 +115,8 @@ class FrozenTarget:
         self.attention_backends = SHAPE_FREE_SDPA  # of features() and decode_step (benchmarks.target_forward)
         # features() through another forward of the same weights (dflash.target.layer_features), or HF's
         self.layer_forward: Callable[[torch.Tensor, bool], tuple[dict[int, torch.Tensor], torch.Tensor | None]] | None = None
+        # features() of rows packed into one sequence, given their lengths (dflash.target.packed)
+        self.packed_forward: Callable[[torch.Tensor, torch.Tensor, bool], TargetOutputs] | None = None
         params = inspect.signature(model.forward).parameters
         # transformers renamed `past_key_values` to `cache` in 5.2x; accept both versions.
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -196,15 +198,19 @@ class FrozenTarget:
             for handle in handles:
                 handle.remove()
 
-    def _stack(self, captured: dict[int, torch.Tensor]) -> torch.Tensor:
+    def stack_features(self, captured: dict[int, torch.Tensor]) -> torch.Tensor:
         return torch.cat([captured[i] for i in self.layer_ids], dim=-1)
 
     @torch.no_grad()
-    def features(self, input_ids: torch.Tensor, with_final_hidden: bool = False) -> TargetOutputs:
+    def features(self, input_ids: torch.Tensor, with_final_hidden: bool = False,
+                 lengths: torch.Tensor | None = None) -> TargetOutputs:
         """Features of every position of right-padded `input_ids` [b, S]. Causal attention means
-        real tokens never see the padding after them, so no attention mask is needed."""
-        captured, final = self._forward(input_ids, with_final_hidden)
-        return TargetOutputs(features=self._stack(captured), final_hidden=final)
+        real tokens never see the padding after them, so no attention mask is needed. `lengths`
+        (the rows' real tokens, on the host): with a packed forward, only those are computed."""
+        if lengths is not None and self.packed_forward is not None:
+            return self.packed_forward(input_ids, lengths, with_final_hidden)
+        captured, final = self.layer_outputs(input_ids, with_final_hidden)
+        return TargetOutputs(features=self.stack_features(captured), final_hidden=final)
 
     @torch.no_grad()
     def features_by_length(self, groups: list[tuple[torch.Tensor, torch.Tensor]], batch_shape: tuple[int, int],
@@ -216,7 +222,7 @@ class FrozenTarget:
         b, s = batch_shape
         features = final = None
         for ids, rows in groups:
-            captured, last = self._forward(ids, with_final_hidden)
+            captured, last = self.layer_outputs(ids, with_final_hidden)
             width, hidden = ids.shape[1], captured[self.layer_ids[0]].shape[-1]
             if features is None:
                 features = captured[self.layer_ids[0]].new_zeros(b, s, len(self.layer_ids) * hidden)
@@ -227,14 +233,15 @@ class FrozenTarget:
                 final[:, :width].index_copy_(0, rows, last)
         return TargetOutputs(features=features, final_hidden=final)
 
-    def _forward(self, input_ids: torch.Tensor, with_final_hidden: bool) -> tuple[dict[int, torch.Tensor],
-                                                                                  torch.Tensor | None]:
-        """The feature layers' outputs by layer id, and the final normed hidden state when asked."""
+    def layer_outputs(self, input_ids: torch.Tensor, with_final_hidden: bool,
+                      **model_kwargs) -> tuple[dict[int, torch.Tensor], torch.Tensor | None]:
+        """The feature layers' outputs by layer id, and the final normed hidden state when asked;
+        `model_kwargs` go to HF's forward (the packed forward's positions and row bounds)."""
         if self.layer_forward is not None:
             return self.layer_forward(input_ids, with_final_hidden)
         with self._capture(stop_after_deepest=not with_final_hidden) as captured, sdpa_kernel(self.attention_backends):
             try:
-                out = self.decoder(input_ids=input_ids, use_cache=False)
+                out = self.decoder(input_ids=input_ids, use_cache=False, **model_kwargs)
             except _StopForward:
                 out = None
         return captured, (out.last_hidden_state if out is not None else None)
@@ -249,7 +256,7 @@ class FrozenTarget:
             out = self.model(
                 input_ids=input_ids, position_ids=positions, use_cache=True, **{self._cache_kwarg: cache}
             )
-        return TargetOutputs(features=self._stack(captured), logits=out.logits)
+        return TargetOutputs(features=self.stack_features(captured), logits=out.logits)
 
     @staticmethod
     def crop_cache(cache, length: int) -> None:

@@ -45,7 +45,7 @@ def use_decoder_layers(target: FrozenTarget, compiled: bool) -> None:
 @torch.no_grad()
 def decoder_layer_features(target: FrozenTarget, input_ids: torch.Tensor, with_final_hidden: bool,
                            compiled: bool = False) -> tuple[dict[int, torch.Tensor], torch.Tensor | None]:
-    """FrozenTarget._forward's result for right-padded `input_ids` [b, S]: the feature layers'
+    """FrozenTarget.layer_outputs's result for right-padded `input_ids` [b, S]: the feature layers'
     outputs by layer id, and the final normed hidden state when asked (then every layer runs)."""
     layers, wanted = target.layers, set(target.layer_ids)
     project, finish = dynamic_layer_parts() if compiled else (project_qkv, finish_layer)

@@ -40,6 +40,7 @@ from dflash.target.frozen import (FrozenTarget, check_target_layer_ids, default_
                                   resolve_mask_token_id)
 from dflash.target.gguf import gguf_file, resolve_target, run_target_dir
 from dflash.target.layer_features import use_decoder_layers
+from dflash.target.packed import use_packed_rows
 from dflash.training.checkpoint import latest_checkpoint
 from dflash.training.drafter_setup import DrafterRun, RankContext, build_drafter_run, train_dtype
 from dflash.training.metrics import TargetLog
@@ -196,8 +197,13 @@ def train(config: RunConfig, ranks: RankInfo) -> TrainResult:
             use_decoder_layers(target, compiled=fast_gpu)
             logger.info("rank %d: the target's features come from the fast decoder's layer functions%s "
                         "(--target-forward decoder)", ranks.rank, ", compiled" if fast_gpu else "")
-        elif fast_gpu:
-            target.compile_pointwise()
+        else:
+            if config.model.target_forward == "packed":
+                use_packed_rows(target)
+                logger.info("rank %d: the target computes the real tokens only, each micro-batch's rows packed into "
+                            "one sequence (--target-forward packed)", ranks.rank)
+            if fast_gpu:
+                target.compile_pointwise()
     out_dir = Path(config.train.output_dir)
     cache = feature_cache(config, dataset, spec, ranks) if target is not None else None
     with peer_losses_reported(ranks, topology, out_dir, lambda: None):

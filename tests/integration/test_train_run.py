@@ -116,19 +116,22 @@ def test_precision_bf16_trains_on_cpu(tiny_setup, tmp_path):
     assert {str(w.dtype) for w in weights["module"].values()} == {"torch.bfloat16"}
 
 
-def test_the_decoder_layers_target_forward_trains_on_the_features_of_hf_layers(tiny_setup, tmp_path):
-    """--target-forward decoder computes the features with the fast decoder's layer functions: the
-    first step's loss, before any update, is HF's forward's up to float32 rounding."""
+def test_the_decoder_layers_and_packed_target_forwards_train_on_the_features_of_hf_layers(tiny_setup, tmp_path):
+    """--target-forward decoder computes the features with the fast decoder's layer functions, and
+    packed with HF's layers over the real tokens only: the first step's loss, before any update, is
+    HF's padded forward's up to float32 rounding."""
     def first_loss(kind: str) -> float:
         args = tiny_args(tiny_setup, tmp_path / kind, "--target-forward", kind)
         args[args.index("--max-steps") + 1] = "1"
         proc = run_trainer(args)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert ("from the fast decoder's layer functions" in proc.stderr) == (kind == "decoder")
+        assert ("rows packed into one sequence" in proc.stderr) == (kind == "packed")
         return json.loads((tmp_path / kind / "metrics.jsonl").read_text().splitlines()[0])["loss"]
 
-    losses = run_two_at_a_time({kind: lambda kind=kind: first_loss(kind) for kind in ("hf", "decoder")})
+    losses = run_two_at_a_time({kind: lambda kind=kind: first_loss(kind) for kind in ("hf", "decoder", "packed")})
     assert losses["decoder"] == pytest.approx(losses["hf"], rel=1e-5)
+    assert losses["packed"] == pytest.approx(losses["hf"], rel=1e-5)
 
 
 @pytest.mark.gpu

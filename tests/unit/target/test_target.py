@@ -60,11 +60,11 @@ def test_the_target_forward_benchmark_times_both_backend_sets_on_new_shapes():
     assert 0 <= decoder["largest_difference_over_largest_feature"] < 1e-5
 
 
-def test_the_target_forward_benchmark_compares_length_groups_on_a_shards_micro_batches(tmp_path):
-    """--shard: the sampler's micro-batches of a prepared shard, run whole and in groups (CPU, the
-    demo target): the same micro-batches each time, and the groups compute a larger share of real
-    positions."""
-    from dflash.benchmarks.target_forward import main
+def test_the_target_forward_benchmark_compares_length_groups_and_packed_rows_on_a_shards_micro_batches(tmp_path):
+    """--shard: the sampler's micro-batches of a prepared shard, run whole, in groups and packed (CPU,
+    the demo target): the same micro-batches each time, the groups compute a larger share of real
+    positions, the packed rows only real ones, with the padded forward's features."""
+    from dflash.benchmarks.target_forward import PACKED_ROWS, main
     from dflash.tools.data import main as data_main
 
     assert data_main(["prepare", "--output-dir", str(tmp_path / "run")]) == 0
@@ -74,3 +74,6 @@ def test_the_target_forward_benchmark_compares_length_groups_on_a_shards_micro_b
     assert whole["micro_batches"] == grouped["micro_batches"] == 2
     assert whole["real_share_of_computed"] < grouped["real_share_of_computed"] <= 1
     assert grouped["real_tokens_per_second"] > 0 and "flash, efficient, math (training's)" not in results
+    packed = results[PACKED_ROWS]
+    assert packed["micro_batches"] == 2 and packed["real_share_of_computed"] == 1 and packed["real_tokens_per_second"] > 0
+    assert 0 <= packed["largest_difference_over_largest_feature"] < 1e-5
