@@ -6,14 +6,16 @@ elementwise kernels, optimizer, copies, communication) and how much of the windo
 busy at all. The rest is host time (Python, launches, synchronisation): the trace's GPU timeline
 says where in the step the GPU waited, by the kernels that end and start each idle gap. Only GPU
 activity is recorded, so that the profiler's own per-op work on the host does not widen the gaps;
-`--profile-host` records the host's ops too and names the op the host was in while the GPU waited
-(at the price of wider gaps: the profiler's own per-op work).
+`--profile-host` records the host's ops and Python calls too and names the op or call the host was
+in while the GPU waited, and the innermost function of ours then open (at the price of wider gaps:
+the profiler's own work on each op and call).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -27,8 +29,12 @@ GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
 # A stream kept fed starts a kernel within a few microseconds of the last one's end; a longer gap
 # means the GPU waited for the host (the list names such gaps; the idle total counts every gap).
 GAP_FLOOR_US = 20.0
-# Host-side trace categories: aten ops and record_function ranges (the training thread's call tree).
-HOST_WORK = ("cpu_op", "user_annotation")
+# Host-side trace categories: aten ops, record_function ranges and Python calls (the training thread's
+# call tree; Python calls are recorded with the stack, under --profile-host).
+HOST_WORK = ("cpu_op", "user_annotation", "python_function")
+# A Python call's trace name is "path(line): function"; ours are those in the package or the entry point.
+OUR_CODE = re.compile(r"(^|/)(dflash/|train_drafter\.py)[^ ]*\(\d+\): ")
+NONE_OF_OURS = "(no function of ours open)"
 # A gap's host time is sampled at points this far apart (at most HOST_SAMPLES_PER_GAP of them).
 HOST_SAMPLE_US = 20.0
 HOST_SAMPLES_PER_GAP = 50
@@ -71,7 +77,7 @@ class StepProfiler:
             activities = [torch.profiler.ProfilerActivity.CUDA]
             if self.host:
                 activities.append(torch.profiler.ProfilerActivity.CPU)
-            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler = torch.profiler.profile(activities=activities, with_stack=self.host)
             torch.cuda.synchronize()
             self.profiler.__enter__()
             self.started = time.perf_counter()
@@ -96,8 +102,10 @@ class StepProfiler:
                     "; ".join(f"{g['after'][:40]} ({g['ms_per_step']} ms)" for g in gaps["largest"][:3]) or "none",
                     self.out_dir)
         if "host_during_gaps" in summary:
-            logger.info("while the GPU waited the host was in (ms a step): %s", "; ".join(
-                f"{name[:60]} {ms}" for name, ms in list(summary["host_during_gaps"].items())[:5]))
+            for what, key in (("the host was in", "host_during_gaps"),
+                              ("our innermost function was", "ours_during_gaps")):
+                logger.info("while the GPU waited %s (ms a step): %s", what, "; ".join(
+                    f"{name[:80]} {ms}" for name, ms in list(summary[key].items())[:5]))
 
 
 def summarize(work: list[tuple[float, float, str]], wall_s: float, steps: int,
@@ -118,7 +126,8 @@ def summarize(work: list[tuple[float, float, str]], wall_s: float, steps: int,
         "top_kernels_ms_per_step": {k[:120]: round(v / steps * 1e3, 2)
                                     for k, v in sorted(top.items(), key=lambda x: -x[1])[:25]},
         "host_gaps": idle_gaps(work, steps),
-        **({"host_during_gaps": host_during_gaps(work, host, steps)} if host is not None else {}),
+        **({"host_during_gaps": host_during_gaps(work, host, steps),
+            "ours_during_gaps": host_during_gaps(work, host, steps, ours=True)} if host is not None else {}),
     }
 
 
@@ -138,7 +147,8 @@ def host_timeline(trace: dict) -> list[tuple[float, float, str]]:
     threads = Counter(e.get("tid") for e in ops)
     main = threads.most_common(1)[0][0]
     return [(start, end, name) for start, _, end, name in sorted(
-        (float(e["ts"]), -float(e.get("dur", 0.0)), float(e["ts"]) + float(e.get("dur", 0.0)), e["name"])
+        (float(e["ts"]), -float(e.get("dur", 0.0)), float(e["ts"]) + float(e.get("dur", 0.0)),
+         re.sub(r" at 0x[0-9a-f]+", "", e["name"]))  # a built-in method's object address
         for e in ops if e.get("tid") == main)]
 
 
@@ -156,10 +166,11 @@ def gpu_gaps(work: list[tuple[float, float, str]]):
 
 
 def host_during_gaps(work: list[tuple[float, float, str]], host: list[tuple[float, float, str]], steps: int,
-                     top: int = 10) -> dict[str, float]:
-    """Milliseconds a step of GPU idle (gaps of at least GAP_FLOOR_US) by the innermost host op open
-    at the time (BETWEEN_OPS where none is: the host ran Python between ops); sampled every
-    HOST_SAMPLE_US of each gap."""
+                     top: int = 10, ours: bool = False) -> dict[str, float]:
+    """Milliseconds a step of GPU idle (gaps of at least GAP_FLOOR_US) by the innermost host op or
+    Python call open at the time (BETWEEN_OPS where none is: the host ran Python between recorded
+    ops); sampled every HOST_SAMPLE_US of each gap. `ours`: by the innermost function of ours open
+    (OUR_CODE; NONE_OF_OURS where none is), which says where in the step a library's call held it."""
     points = []
     for start, end, _, _ in gpu_gaps(work):
         if end - start >= GAP_FLOOR_US:
@@ -176,7 +187,10 @@ def host_during_gaps(work: list[tuple[float, float, str]], host: list[tuple[floa
             i += 1
         while open_ops and open_ops[-1][0] <= t:
             open_ops.pop()
-        tally[open_ops[-1][1] if open_ops else BETWEEN_OPS] += weight
+        if ours:
+            tally[next((name for _, name in reversed(open_ops) if OUR_CODE.search(name)), NONE_OF_OURS)] += weight
+        else:
+            tally[open_ops[-1][1] if open_ops else BETWEEN_OPS] += weight
     return {name: round(us / steps / 1e3, 3) for name, us in sorted(tally.items(), key=lambda x: -x[1])[:top]}
 
 

@@ -2,7 +2,8 @@
 
 import pytest
 
-from dflash.training.profiling import BETWEEN_OPS, GAP_FLOOR_US, gpu_timeline, host_timeline, summarize
+from dflash.training.profiling import (BETWEEN_OPS, GAP_FLOOR_US, NONE_OF_OURS, gpu_timeline, host_timeline,
+                                      summarize)
 
 
 def kernel(name, ts, dur, cat="kernel"):
@@ -64,6 +65,27 @@ def test_the_host_op_open_while_the_gpu_waits_is_named_innermost_first():
     assert "host_during_gaps" not in summarize(gpu_timeline(trace), wall_s=120e-6, steps=1)
 
 
+def test_the_python_calls_open_while_the_gpu_waits_name_the_library_call_and_our_function_within():
+    """With Python calls recorded (--profile-host), the same 100 us gap: `main` of the entry point over
+    [0, 115), our `backward_and_step` over [0, 100), DeepSpeed's `step` (a library) over [30, 90)
+    and aten::item over [50, 70). Innermost: 20 in ours, 40 and 80 in DeepSpeed's, 60 in the op,
+    100 in `main`; by our innermost function: 20-80 in `backward_and_step`, 100 in `main`."""
+    ours, library = "/tmp/code/dflash/training/run.py(404): backward_and_step", "deepspeed/runtime/engine.py(2150): step"
+    entry = "train_drafter.py(12): main"
+    events = [kernel("gemm", 0, 10), kernel("adam", 110, 10),
+              host_op(entry, 0, 115, cat="python_function"), host_op(ours, 0, 100, cat="python_function"),
+              host_op(library, 30, 60, cat="python_function"), host_op("aten::item", 50, 20),
+              host_op("<built-in method item of Tensor object at 0x7fb2c0c8c4d0>", 112, 2, cat="python_function")]
+    host = host_timeline({"traceEvents": events})
+    assert host[-1][2] == "<built-in method item of Tensor object>"  # addresses dropped: one name per method
+    summary = summarize(gpu_timeline({"traceEvents": events}), wall_s=120e-6, steps=1, host=host)
+    assert summary["host_during_gaps"] == {library: 0.04, ours: 0.02, "aten::item": 0.02, entry: 0.02}
+    assert summary["ours_during_gaps"] == {ours: 0.08, entry: 0.02}
+    outside = [host_op(library, 0, 115, cat="python_function")]
+    assert summarize(gpu_timeline({"traceEvents": events[:2] + outside}), wall_s=120e-6, steps=1,
+                     host=host_timeline({"traceEvents": outside}))["ours_during_gaps"] == {NONE_OF_OURS: 0.1}
+
+
 def test_profile_host_needs_the_profile_window(tmp_path):
     from dflash.config import ConfigError, parse_config
 
@@ -106,8 +128,8 @@ def test_a_cuda_profile_window_writes_a_summary_with_the_kernels_and_the_host_ga
 
 @pytest.mark.gpu
 def test_on_a_gpu_the_host_profile_names_what_the_host_did_while_the_gpu_waited(tmp_path):
-    """With the host's ops recorded, a Python sleep between steps (no op) and a host sync inside an
-    op show up in host_during_gaps, and the GPU work is still all there."""
+    """With the host's ops and Python calls recorded, a Python sleep between steps shows up in
+    host_during_gaps by name, and the GPU work is still all there."""
     import json
     import time
 
@@ -125,5 +147,6 @@ def test_on_a_gpu_the_host_profile_names_what_the_host_did_while_the_gpu_waited(
         time.sleep(0.02)  # Python keeps the GPU waiting
     summary = json.loads((tmp_path / "profile" / "summary.json").read_text())
     assert summary["share_of_gpu_time"].get("matmul", 0) > 0.3
-    during = summary["host_during_gaps"]
-    assert during.get(BETWEEN_OPS, 0) > 10, during
+    during = summary["host_during_gaps"]  # the Python calls recorded too: the sleep itself is named
+    assert sum(ms for name, ms in during.items() if "sleep" in name) > 10, during
+    assert summary["ours_during_gaps"].get(NONE_OF_OURS, 0) > 10, summary["ours_during_gaps"]  # a test's code
