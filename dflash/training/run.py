@@ -189,21 +189,7 @@ def train(config: RunConfig, ranks: RankInfo) -> TrainResult:
         feature_dim=len(layer_ids) * dcfg.hidden_size, hidden_dim=dcfg.hidden_size, with_final_hidden=with_final,
         feature_dtype=dtype, device=device, credits=config.train.credits, timeout_s=config.train.transport_timeout_s,
     )
-    target = None
-    if topology.is_target(ranks.rank):
-        target = FrozenTarget.load(config.model.target, layer_ids, dtype, device)
-        fast_gpu = config.model.kernels == "fast" and device.type == "cuda"
-        if config.model.target_forward == "decoder":
-            use_decoder_layers(target, compiled=fast_gpu)
-            logger.info("rank %d: the target's features come from the fast decoder's layer functions%s "
-                        "(--target-forward decoder)", ranks.rank, ", compiled" if fast_gpu else "")
-        else:
-            if config.model.target_forward == "packed":
-                use_packed_rows(target)
-                logger.info("rank %d: the target computes the real tokens only, each micro-batch's rows packed into "
-                            "one sequence (--target-forward packed)", ranks.rank)
-            if fast_gpu:
-                target.compile_pointwise()
+    target = load_target(config, ranks, layer_ids, dtype) if topology.is_target(ranks.rank) else None
     out_dir = Path(config.train.output_dir)
     cache = feature_cache(config, dataset, spec, ranks) if target is not None else None
     with peer_losses_reported(ranks, topology, out_dir, lambda: None):
@@ -229,6 +215,24 @@ def train(config: RunConfig, ranks: RankInfo) -> TrainResult:
         source = RemoteFeatures(client, device, recent)
     ctx = RankContext(config, ranks, topology, dcfg, tokenizer, dataset, target, data_group, self_group, probe)
     return train_drafter_rank(ctx, source)
+
+
+def load_target(config: RunConfig, ranks: RankInfo, layer_ids: list[int], dtype: torch.dtype) -> FrozenTarget:
+    """The frozen target on this rank, its features computed as --target-forward says."""
+    target = FrozenTarget.load(config.model.target, layer_ids, dtype, ranks.device)
+    fast_gpu = config.model.kernels == "fast" and ranks.device.type == "cuda"
+    if config.model.target_forward == "decoder":
+        use_decoder_layers(target, compiled=fast_gpu)
+        logger.info("rank %d: the target's features come from the fast decoder's layer functions%s "
+                    "(--target-forward decoder)", ranks.rank, ", compiled" if fast_gpu else "")
+        return target
+    if config.model.target_forward == "packed":
+        use_packed_rows(target)
+        logger.info("rank %d: the target computes the real tokens only, each micro-batch's rows packed into one "
+                    "sequence (--target-forward packed)", ranks.rank)
+    if fast_gpu:
+        target.compile_pointwise()
+    return target
 
 
 def train_drafter_rank(ctx: RankContext, source: FeatureSource) -> TrainResult:

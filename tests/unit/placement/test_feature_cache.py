@@ -15,9 +15,9 @@ from tiny_tokenizer import make_tiny_tokenizer
 class CountingTarget(FrozenTarget):
     calls = 0
 
-    def features(self, input_ids, with_final_hidden=False):
+    def features(self, input_ids, with_final_hidden=False, lengths=None):
         self.calls += 1
-        return super().features(input_ids, with_final_hidden)
+        return super().features(input_ids, with_final_hidden, lengths)
 
 
 def test_cached_features_equal_the_targets_and_skip_its_forward(tmp_path):
