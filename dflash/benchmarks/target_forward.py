@@ -114,6 +114,7 @@ def time_shard_batches(target: FrozenTarget, dataset: TokenDataset, batches: lis
     """Median ms a micro-batch (collation, copies and the target, as training runs them) and real
     tokens/s over batches[warmup:], the target run in up to `groups` groups of rows."""
     seconds, real, computed = [], 0, 0
+    packed = target.packed_forward is not None  # then only the real tokens are computed
     for n, indices in enumerate(batches):
         synchronize(target.device)
         start = time.perf_counter()
@@ -123,7 +124,6 @@ def time_shard_batches(target: FrozenTarget, dataset: TokenDataset, batches: lis
             seconds.append(time.perf_counter() - start)
             lengths = dataset.lengths[indices]
             real += int(lengths.sum())
-            packed = target.packed_forward is not None
             computed += int(lengths.sum()) if packed else computed_positions(plan_length_groups(lengths, groups))
     return {"ms_per_micro_batch_median": round(1e3 * statistics.median(seconds), 3),
             "real_tokens_per_second": round(real / sum(seconds)), "real_share_of_computed": round(real / computed, 4),
