@@ -120,24 +120,31 @@ class LiveColumns:
 
 
 def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts_q: torch.Tensor, starts_k: torch.Tensor,
-                 max_q: int, max_k: int, scale: float | None, used_k: torch.Tensor) -> torch.Tensor:
-    """FlashAttention over packed sequences, not causal: sequence i's queries are rows
-    starts_q[i]..starts_q[i + 1] - 1 of q [rows, Hq, d], its keys/values the first used_k[i] rows
-    from starts_k[i] of k, v [rows, Hkv, d] (any row and head strides); query head h uses key/value
-    head h // (Hq / Hkv)."""
-    return torch.ops.aten._flash_attention_forward(q, k, v, starts_q, starts_k, max_q, max_k, 0.0, False, False,
+                 max_q: int, max_k: int, scale: float | None, used_k: torch.Tensor | None = None,
+                 causal: bool = False) -> torch.Tensor:
+    """FlashAttention over packed sequences: sequence i's queries are rows starts_q[i]..starts_q[i + 1] - 1
+    of q [rows, Hq, d], its keys/values the first used_k[i] rows from starts_k[i] of k, v [rows, Hkv, d]
+    (None: up to starts_k[i + 1]; any row and head strides), `causal` within each sequence; query
+    head h uses key/value head h // (Hq / Hkv)."""
+    return torch.ops.aten._flash_attention_forward(q, k, v, starts_q, starts_k, max_q, max_k, 0.0, causal, False,
                                                    scale=scale, seqused_k=used_k)[0]
 
 
-def live_columns_supported(device: torch.device, dtype: torch.dtype, head_dim: int, sliding: bool) -> bool:
-    """Where LiveColumns runs: FlashAttention's kernel (NVIDIA GPUs from Ampere on, 16-bit, head
-    dims that are a multiple of 8 up to 256) in a PyTorch whose op takes per-row key counts.
-    Targets with sliding layers keep the span mask, which holds their windows (LiveColumns has none)."""
-    if device.type != "cuda" or torch.version.hip or dtype not in (torch.bfloat16, torch.float16) or sliding:
+def flash_fits(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Where FlashAttention's kernel runs: NVIDIA GPUs from Ampere on, 16-bit, head dims that are a
+    multiple of 8 up to 256, with PyTorch's flash backend on."""
+    if device.type != "cuda" or torch.version.hip or dtype not in (torch.bfloat16, torch.float16):
         return False
     if head_dim % 8 or head_dim > 256 or not torch.backends.cuda.flash_sdp_enabled():
         return False
-    if torch.cuda.get_device_capability(device) < (8, 0):
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def live_columns_supported(device: torch.device, dtype: torch.dtype, head_dim: int, sliding: bool) -> bool:
+    """Where LiveColumns runs: FlashAttention's kernel (flash_fits) in a PyTorch whose op takes
+    per-row key counts. Targets with sliding layers keep the span mask, which holds their windows
+    (LiveColumns has none)."""
+    if sliding or not flash_fits(device, dtype, head_dim):
         return False
     schema = str(torch.ops.aten._flash_attention_forward.default._schema)
     return "seqused_k" in schema

@@ -86,7 +86,8 @@ def compute_features(target: FrozenTarget, dataset: TokenDataset, indices: list[
     input_ids = to_device_async(batch["input_ids"], target.device)
     loss_mask = to_device_async(batch["loss_mask"], target.device)
     rows = [torch.from_numpy(g.rows) for g in groups] if len(groups) > 1 else []
-    parts = [(batch["input_ids"][r, :g.width].to(target.device), r.to(target.device)) for r, g in zip(rows, groups)]
+    parts = [(to_device_async(batch["input_ids"][r, :g.width], target.device), to_device_async(r, target.device))
+             for r, g in zip(rows, groups)]
     if clock is not None:
         clock.mark("data")
     reused = cached is not None

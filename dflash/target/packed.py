@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from dflash.nn.transformer import flash_fits, flash_varlen
 from dflash.target.frozen import FrozenTarget, TargetError, TargetOutputs
 from dflash.target.static import layer_windows
 from dflash.util.runtime import to_device_async
@@ -65,13 +66,6 @@ class Packing:
         return out.index_copy_(0, self.index, packed[0]).view(b, s, -1)
 
 
-def flash_fits(q: torch.Tensor) -> bool:
-    """Where FlashAttention's kernel runs: NVIDIA GPUs from Ampere on, 16-bit, head dims that are a
-    multiple of 8 up to 256."""
-    return (q.is_cuda and not torch.version.hip and q.dtype in (torch.bfloat16, torch.float16)
-            and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256 and torch.cuda.get_device_capability(q.device) >= (8, 0))
-
-
 def packed_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                      scaling: float | None = None, dropout: float = 0.0, dflash_packing: Packing | None = None,
                      **kwargs) -> tuple[torch.Tensor, None]:
@@ -83,9 +77,9 @@ def packed_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
                           "--target-forward hf")
     packing = dflash_packing
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, d], no copy
-    if flash_fits(q):
-        out = torch.ops.aten._flash_attention_forward(q, k, v, packing.starts, packing.starts, packing.longest,
-                                                      packing.longest, 0.0, True, False, scale=scaling)[0]
+    if flash_fits(q.device, q.dtype, q.shape[-1]):
+        out = flash_varlen(q, k, v, packing.starts, packing.starts, packing.longest, packing.longest, scaling,
+                           causal=True)
         return out[None], None
     out = torch.empty_like(q)
     for first, end in zip(packing.bounds[:-1], packing.bounds[1:]):

@@ -9,7 +9,8 @@ import torch
 import transformers
 
 from dflash.target.frozen import FrozenTarget, TargetError
-from dflash.target.packed import Packing, flash_fits, packed_attention, use_packed_rows
+from dflash.nn.transformer import flash_fits
+from dflash.target.packed import Packing, packed_attention, use_packed_rows
 
 COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
@@ -108,7 +109,7 @@ def test_on_a_gpu_packed_rows_through_flash_attention_match_the_padded_forward(f
     ids = padded_batch(lengths, 64, "cuda")
     padded = target.features(ids, with_final_hidden=True)
     use_packed_rows(target)
-    assert flash_fits(torch.zeros(4, 4, 16, device="cuda", dtype=torch.bfloat16))
+    assert flash_fits(torch.device("cuda"), torch.bfloat16, 16)
     packed = target.features(ids, with_final_hidden=True, lengths=torch.tensor(lengths))
     for row, length in enumerate(lengths):
         scale = float(padded.features[row, :length].float().abs().max())
