@@ -50,7 +50,7 @@ class ModelArgs:
         "help": "train although --tokenizer's special ids or vocabulary differ from --target's (a warning, not an error)"})
     attention_backend: str = field(default="auto", metadata={"help": "auto | sdpa | flex"})
     kernels: str = field(default="fast", metadata={"help": "fast (flex attention, fused lm_head loss, compiled layers on GPU) | naive (dense SDPA mask, full logits, eager: the reference the benchmark compares with)"})
-    target_forward: str = field(default="hf", metadata={"help": "the target's forward that computes the features: hf (its own layers; with --kernels fast on a GPU, their MLPs and norms compiled) | decoder (the fast decoder's layer functions: stacked projections, its RoPE, compiled for every shape on a GPU; Llama, Mistral, Qwen2/3 without sliding windows) | packed (HF's layers over the micro-batch's real tokens only, its rows packed into one sequence, FlashAttention's variable-length kernel on a GPU: no padded position is computed; targets without sliding windows); dflash.benchmarks.target_forward compares them"})
+    target_forward: str = field(default="auto", metadata={"help": "the target's forward that computes the features: auto (packed on a GPU where it applies: FlashAttention runs there, no sliding windows, no --target-length-groups; else hf) | hf (its own layers; with --kernels fast on a GPU, their MLPs and norms compiled) | decoder (the fast decoder's layer functions: stacked projections, its RoPE, compiled for every shape on a GPU; Llama, Mistral, Qwen2/3 without sliding windows) | packed (HF's layers over the micro-batch's real tokens only, its rows packed into one sequence, FlashAttention's variable-length kernel on a GPU: no padded position is computed; targets without sliding windows); dflash.benchmarks.target_forward compares them"})
 
 
 @dataclass
@@ -396,8 +396,8 @@ def _validate_inputs_and_shapes(config: RunConfig) -> None:
     _require(m.draft_window >= 0, f"--draft-window {m.draft_window}: use 0 (full attention) or a window in tokens")
     _require(m.draft_vocab >= 0, f"--draft-vocab {m.draft_vocab}: use 0 (every token) or a number of tokens")
     _require(m.kernels in ("fast", "naive"), f"--kernels {m.kernels}: use fast or naive")
-    _require(m.target_forward in ("hf", "decoder", "packed"),
-             f"--target-forward {m.target_forward}: use hf, decoder or packed")
+    _require(m.target_forward in ("auto", "hf", "decoder", "packed"),
+             f"--target-forward {m.target_forward}: use auto, hf, decoder or packed")
     _require(m.target_forward != "packed" or d.target_length_groups == 1,
              f"--target-forward packed with --target-length-groups {d.target_length_groups}: packed rows compute no "
              "padding at all; drop --target-length-groups")

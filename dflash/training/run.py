@@ -40,7 +40,7 @@ from dflash.target.frozen import (FrozenTarget, check_target_layer_ids, default_
                                   resolve_mask_token_id)
 from dflash.target.gguf import gguf_file, resolve_target, run_target_dir
 from dflash.target.layer_features import use_decoder_layers
-from dflash.target.packed import use_packed_rows
+from dflash.target.packed import packed_applies, use_packed_rows
 from dflash.training.checkpoint import latest_checkpoint
 from dflash.training.drafter_setup import DrafterRun, RankContext, build_drafter_run, train_dtype
 from dflash.training.metrics import TargetLog
@@ -226,10 +226,15 @@ def load_target(config: RunConfig, ranks: RankInfo, layer_ids: list[int], dtype:
         logger.info("rank %d: the target's features come from the fast decoder's layer functions%s "
                     "(--target-forward decoder)", ranks.rank, ", compiled" if fast_gpu else "")
         return target
-    if config.model.target_forward == "packed":
+    forward = config.model.target_forward
+    kept_padded = packed_applies(target, config.data.target_length_groups) if forward == "auto" else None
+    if kept_padded is not None:
+        logger.info("rank %d: the target computes the padded micro-batch (--target-forward auto: %s)", ranks.rank,
+                    kept_padded)
+    elif forward in ("auto", "packed"):
         use_packed_rows(target)
         logger.info("rank %d: the target computes the real tokens only, each micro-batch's rows packed into one "
-                    "sequence (--target-forward packed)", ranks.rank)
+                    "sequence (--target-forward %s)", ranks.rank, forward)
     if fast_gpu:
         target.compile_pointwise()
     return target

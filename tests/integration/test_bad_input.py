@@ -70,7 +70,7 @@ def test_missing_data_file(capsys, paths):
     (["--target-length-groups", "0"], "--target-length-groups 0: use 1 (one forward over the padded micro-batch)"),
     (["--target-forward", "packed", "--target-length-groups", "4"],
      "--target-forward packed with --target-length-groups 4: packed rows compute no padding at all"),
-    (["--target-forward", "unpadded"], "--target-forward unpadded: use hf, decoder or packed"),
+    (["--target-forward", "unpadded"], "--target-forward unpadded: use auto, hf, decoder or packed"),
     (["--optimizer", "sgd"], "--optimizer sgd: use adamw or muon"),
     (["--attention-backend", "xformers"], "--attention-backend xformers: use auto, sdpa or flex"),
     (["--lr-schedule", "linear"], "--lr-schedule linear"),

@@ -10,7 +10,7 @@ import transformers
 
 from dflash.target.frozen import FrozenTarget, TargetError
 from dflash.nn.transformer import flash_fits
-from dflash.target.packed import Packing, packed_attention, use_packed_rows
+from dflash.target.packed import Packing, packed_applies, packed_attention, use_packed_rows
 
 COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
@@ -96,6 +96,22 @@ def test_targets_and_calls_the_packed_forward_would_run_wrongly_are_refused():
     q = torch.zeros(1, 4, 5, 16)
     with pytest.raises(TargetError, match="reached attention without its row bounds.*use --target-forward hf"):
         packed_attention(torch.nn.Identity(), q, q[:, :2], q[:, :2], None)
+
+
+def test_auto_keeps_the_padded_forward_where_flash_attention_does_not_run_or_the_rows_are_grouped():
+    target = tiny_target("Qwen2", dtype=torch.bfloat16)
+    assert packed_applies(target, 4) == "--target-length-groups 4 computes the target by groups of rows"
+    assert packed_applies(target, 1) == "FlashAttention's kernel does not run on cpu in torch.bfloat16 with head dim 16"
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_auto_packs_the_rows_of_targets_without_sliding_windows():
+    qwen = tiny_target("Qwen2", dtype=torch.bfloat16)
+    qwen.model.cuda()
+    assert packed_applies(qwen, 1) is None
+    mistral = tiny_target("Mistral", dtype=torch.bfloat16, sliding_window=6)
+    mistral.model.cuda()
+    assert "sliding-window layers" in packed_applies(mistral, 1)
 
 
 @pytest.mark.gpu
