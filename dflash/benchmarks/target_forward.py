@@ -32,6 +32,7 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from dflash.config import DEFAULT_BUCKETS
+from dflash.data.chat_formats import DataError
 from dflash.data.dataset import TokenDataset, collate
 from dflash.data.sampler import RankAwareBucketSampler
 from dflash.placement.features import compute_features
@@ -40,7 +41,7 @@ from dflash.target.gguf import resolve_target
 from dflash.target.length_groups import computed_positions, plan_length_groups
 from dflash.target.layer_features import layer_forward_problem, use_decoder_layers
 from dflash.target.packed import packed_forward_problem, use_packed_rows
-from dflash.util.cli import ConfigError, cli_parser
+from dflash.util.cli import ConfigError, cli_parser, user_error
 from dflash.util.runtime import pick_device, setup_logging, synchronize
 
 logger = logging.getLogger(__name__)
@@ -157,6 +158,11 @@ def shard_batches(args: TargetForwardArgs, dataset: TokenDataset) -> list[list[i
 def main(argv: list[str] | None = None) -> dict:
     (args,) = cli_parser(TargetForwardArgs).parse_args_into_dataclasses(argv)
     setup_logging(0)
+    try:  # before the target loads: a wrong --shard ends the command at once
+        dataset = TokenDataset(args.shard) if args.shard else None
+        batches = shard_batches(args, dataset) if dataset is not None else []
+    except (DataError, ConfigError) as err:
+        raise SystemExit(user_error(err)) from err
     device = pick_device(args.device, 0)
     folder = resolve_target(args.target)
     layers = default_target_layer_ids(load_target_config(folder).num_hidden_layers, 5)
@@ -165,9 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
         target.compile_pointwise()
     results = {"target": args.target, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
                else "cpu", "dtype": args.dtype, "max_tokens": args.max_tokens}
-    if args.shard:
-        dataset = TokenDataset(args.shard)
-        batches = shard_batches(args, dataset)
+    if dataset is not None:
         for groups in args.length_groups:
             results[f"length groups {groups}"] = time_shard_batches(target, dataset, batches, groups, args.warmup)
             logger.info("length groups %d: %s", groups, results[f"length groups {groups}"])

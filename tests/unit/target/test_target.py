@@ -77,3 +77,12 @@ def test_the_target_forward_benchmark_compares_length_groups_and_packed_rows_on_
     packed = results[PACKED_ROWS]
     assert packed["micro_batches"] == 2 and packed["real_share_of_computed"] == 1 and packed["real_tokens_per_second"] > 0
     assert 0 <= packed["largest_difference_over_largest_feature"] < 1e-5
+
+
+def test_the_target_forward_benchmark_names_a_shard_it_cannot_read_before_loading_the_target(tmp_path, capsys):
+    from dflash.benchmarks.target_forward import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["--target", str(tmp_path / "no_target"), "--shard", str(tmp_path / "run" / "data" / "train")])
+    assert stopped.value.code == 2
+    assert f"{tmp_path}/run/data/train/manifest.json: no readable manifest" in capsys.readouterr().err
