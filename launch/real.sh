@@ -25,6 +25,13 @@
 #                      target's shapes and the free GPU memory
 #   EPOCHS=3           training epochs (SmolLM2-135M: 3 took 16 minutes on an H200, tau 3.19 at 384 tokens)
 #   MINUTES            train this many minutes instead (--max-minutes; EPOCHS then only caps the run)
+#   BUDGET_MINUTES     regeneration and training in this many minutes, from the regeneration's start to the
+#                      exported drafter: training gets what the regeneration leaves, less SETUP_MINUTES=0.8
+#                      for its set-up and export (the clock of --max-minutes starts at its first step);
+#                      overrides MINUTES. 20 on one H100: BENCHMARKS.md "Qwen2.5-Coder-0.5B"
+#   WARMUP=1           with BUDGET_MINUTES: beside the regeneration, a throwaway 12-step run on 600 ShareGPT
+#                      training conversations ($DATA/train_conversations.jsonl) fills the compile caches, so
+#                      the budget's training starts compiled; 0: none
 #   MAX_TOKENS=32768   tokens per micro-batch (a 135M target leaves the GPU idle at the recipe's 8192)
 #   PRESET             train_drafter.py --preset: small (3 layers, B=8, 128 anchors, a 32,768-token draft
 #                      vocabulary, cut replies kept) for the packaged targets; auto for a TARGET
@@ -44,15 +51,43 @@ RUN=${RUN:-runs/real}
 DATA=$RUN/data
 PROMPTS=${PROMPTS:-registry}
 source launch/real_inputs.sh
+budget_start=$SECONDS
+# a GGUF's conversion, made once here, so the regeneration and the warm-up beside it both reuse it
+"$PY" -c 'import sys; from dflash.target.gguf import resolve_target; resolve_target(sys.argv[1])' "$TARGET"
+warmup=none
+if [ -n "${BUDGET_MINUTES:-}" ] && [ "${WARMUP:-1}" = 1 ]; then
+  conversations=$DATA/train_conversations.jsonl
+  [ -f "$conversations" ] || { echo "WARMUP=1 trains on $conversations, which is missing: delete $DATA/heldout.jsonl" \
+    "to build the prompts again (dflash.data.sharegpt --conversations writes it), or pass WARMUP=0" >&2; exit 2; }
+  head -n 600 "$conversations" > "$RUN/warmup.jsonl"
+  # 20 s in, once the regeneration has sized its batches from the free GPU memory; the compile
+  # caches are the machine's, so the budget run finds the same drafter (EXTRA_TRAIN_FLAGS too) compiled
+  # shellcheck disable=SC2086
+  sleep 20 && "$PY" train_drafter.py --target "$TARGET" --train-data "$RUN/warmup.jsonl" --output-dir "$RUN/warmup" --overwrite \
+    --max-length 2048 --max-steps 12 --max-tokens 8192 --preset "$PRESET" ${MASK_ID:+--mask-token-id "$MASK_ID"} \
+    --eval-every 0 --final-eval false ${EXTRA_TRAIN_FLAGS:-} > "$RUN/warmup.log" 2>&1 &
+  warmup=$!
+fi
 if [ -f "$DATA/regen.jsonl" ]; then
   echo "reusing $DATA/regen.jsonl (delete it to regenerate)"
 else
   "$PY" -m dflash.regenerate --target "$TARGET" --prompts "$TRAIN_PROMPTS" --output "$DATA/regen.jsonl" \
     --max-new-tokens "${MAX_NEW:-384}" --batch-tokens "${BATCH_TOKENS:-0}" --limit "${SAMPLES:-0}"
 fi
+if [ "$warmup" != none ]; then
+  wait "$warmup" || { echo "the warm-up run failed ($RUN/warmup.log):" >&2; tail -5 "$RUN/warmup.log" >&2; exit 1; }
+  echo "warm-up done ($RUN/warmup.log): the compile caches are filled"
+fi
 
 started=$SECONDS
 epochs=${EPOCHS:-3}
+if [ -n "${BUDGET_MINUTES:-}" ]; then
+  MINUTES=$("$PY" -c 'import sys; budget, spent, setup = map(float, sys.argv[1:])
+left = budget - spent / 60 - setup
+sys.exit(f"BUDGET_MINUTES={budget:g}: the regeneration took {spent / 60:.1f} minutes, {setup:g} more go to set-up and export, no time is left to train") if left <= 0 else print(round(left, 2))' \
+    "$BUDGET_MINUTES" "$((SECONDS - budget_start))" "${SETUP_MINUTES:-0.8}")
+  echo "BUDGET_MINUTES=$BUDGET_MINUTES: training for $MINUTES minutes"
+fi
 [ -z "${MINUTES:-}" ] || epochs=${EPOCHS:-1000}  # the minutes end the run
 # shellcheck disable=SC2086  # EXTRA_TRAIN_FLAGS is a list of flags
 "$PY" train_drafter.py --target "$TARGET" --train-data "$DATA/regen.jsonl" --eval-data "$DATA/heldout.jsonl" \

@@ -2,7 +2,8 @@
 # chosen: sets up the environment (launch/setup.sh) and PY (launch/python.sh), then TARGET (the
 # packaged MODEL's GGUF, joined and checked by dflash.target.packaged, unless TARGET is set),
 # MASK_ID and PRESET (train_drafter.py --preset: small for the packaged targets, 135M to 1.5B; auto
-# for a TARGET of your own), and writes the prompts $DATA/train_prompts.jsonl and $DATA/heldout.jsonl (ShareGPT),
+# for a TARGET of your own), and writes the prompts $DATA/train_prompts.jsonl and $DATA/heldout.jsonl (ShareGPT;
+# with $DATA/train_conversations.jsonl, their conversations whole),
 # plus $DATA/leetcode_prompts.jsonl when LEETCODE=1. TRAIN_PROMPTS names the train prompts, by PROMPTS:
 #   sharegpt (the default here)  $DATA/train_prompts.jsonl: ShareGPT's human turns with their context
 #   registry   $DATA/prompts.jsonl: every registry prompt (dflash.data.prompts --n 0: ShareGPT's turns
@@ -40,7 +41,7 @@ PRESET=${PRESET:-auto}
 if have train_prompts.jsonl && have heldout.jsonl; then
   echo "reusing the prompts in $DATA"
 else
-  "$PY" -m dflash.data.sharegpt --out-dir "$DATA"
+  "$PY" -m dflash.data.sharegpt --out-dir "$DATA" --conversations  # conversations: launch/real.sh's WARMUP
 fi
 if [ "${LEETCODE:-0}" = 1 ] && ! have leetcode_prompts.jsonl; then
   "$PY" -m dflash.data.leetcode --out "$DATA/leetcode_prompts.jsonl" --heldout "$DATA/heldout.jsonl"
