@@ -241,3 +241,14 @@ def test_a_step_with_skipped_micro_batches_takes_the_gradient_of_the_kept_ones_o
         if not whole_skip:
             assert record["relative_error"] < 1e-5, record  # the denominators of all three: 0.2 to 0.9 off
             assert record["norm"] == pytest.approx(record["want_norm"], rel=1e-5), record
+
+
+def test_the_weights_norm_is_the_float32_norm_of_every_weight_whatever_its_dtype():
+    from dflash.training.spike import weights_norm
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8).to(torch.bfloat16))
+    flat = torch.cat([p.detach().double().flatten() for p in module.parameters()])
+    norm = weights_norm(module)
+    assert norm.shape == (1,) and norm.dtype == torch.float32
+    assert float(norm) == pytest.approx(float(flat.norm()), rel=1e-6)
