@@ -139,10 +139,12 @@ def test_the_decoder_layers_and_packed_target_forwards_train_on_the_features_of_
 @pytest.mark.gpu
 def test_on_a_gpu_the_final_eval_runs_in_bfloat16_with_a_float32_check(tiny_setup, tmp_path):
     """--eval-dtype auto on CUDA: the drafters are judged in bfloat16, as served, and the trained one
-    also on the first --eval-lossless-prompts in float32, where it must equal greedy."""
+    also on the first --eval-lossless-prompts in float32, where it must equal greedy; the target
+    computed the features over packed rows (--target-forward auto)."""
     proc = run_trainer(tiny_args(tiny_setup, tmp_path, "--device", "cuda", "--eval-data", str(tiny_setup["heldout"]),
                                  "--eval-prompts", "3", "--eval-max-new-tokens", "8", "--eval-lossless-prompts", "2"))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rows packed into one sequence (--target-forward auto)" in proc.stderr  # the default on a GPU
     reports = json.loads((tmp_path / "eval.json").read_text())
     assert [(name, r["dtype"], r["prompts"]) for name, r in reports.items()] == [
         ("untrained", "bfloat16", 3), ("trained", "bfloat16", 3), ("trained_float32", "float32", 2)]
