@@ -63,10 +63,11 @@ if [ -n "${BUDGET_MINUTES:-}" ] && [ "${WARMUP:-1}" = 1 ]; then
   # 20 s in, once the regeneration has sized its batches from the free GPU memory; the compile
   # caches are the machine's, so the budget run finds the same drafter (EXTRA_TRAIN_FLAGS too) compiled
   # shellcheck disable=SC2086
-  sleep 20 && "$PY" train_drafter.py --target "$TARGET" --train-data "$RUN/warmup.jsonl" --output-dir "$RUN/warmup" --overwrite \
-    --max-length 2048 --max-steps 12 --max-tokens 8192 --preset "$PRESET" ${MASK_ID:+--mask-token-id "$MASK_ID"} \
-    --eval-every 0 --final-eval false ${EXTRA_TRAIN_FLAGS:-} > "$RUN/warmup.log" 2>&1 &
+  { sleep 20 && exec "$PY" train_drafter.py --target "$TARGET" --train-data "$RUN/warmup.jsonl" --output-dir "$RUN/warmup" \
+    --overwrite --max-length 2048 --max-steps 12 --max-tokens 8192 --preset "$PRESET" ${MASK_ID:+--mask-token-id "$MASK_ID"} \
+    --eval-every 0 --final-eval false ${EXTRA_TRAIN_FLAGS:-}; } > "$RUN/warmup.log" 2>&1 &
   warmup=$!
+  trap 'kill "$warmup" 2>/dev/null || true' EXIT  # a failed regeneration leaves no warm-up behind
 fi
 if [ -f "$DATA/regen.jsonl" ]; then
   echo "reusing $DATA/regen.jsonl (delete it to regenerate)"
@@ -84,7 +85,7 @@ epochs=${EPOCHS:-3}
 if [ -n "${BUDGET_MINUTES:-}" ]; then
   MINUTES=$("$PY" -c 'import sys; budget, spent, setup = map(float, sys.argv[1:])
 left = budget - spent / 60 - setup
-sys.exit(f"BUDGET_MINUTES={budget:g}: the regeneration took {spent / 60:.1f} minutes, {setup:g} more go to set-up and export, no time is left to train") if left <= 0 else print(round(left, 2))' \
+sys.exit(f"BUDGET_MINUTES={budget:g}: the regeneration (and the warm-up beside it) took {spent / 60:.1f} minutes and {setup:g} more go to set-up and export: no time is left to train") if left <= 0 else print(round(left, 2))' \
     "$BUDGET_MINUTES" "$((SECONDS - budget_start))" "${SETUP_MINUTES:-0.8}")
   echo "BUDGET_MINUTES=$BUDGET_MINUTES: training for $MINUTES minutes"
 fi
