@@ -226,15 +226,16 @@ def load_target(config: RunConfig, ranks: RankInfo, layer_ids: list[int], dtype:
         logger.info("rank %d: the target's features come from the fast decoder's layer functions%s "
                     "(--target-forward decoder)", ranks.rank, ", compiled" if fast_gpu else "")
         return target
-    forward = config.model.target_forward
-    kept_padded = packed_applies(target, config.data.target_length_groups) if forward == "auto" else None
-    if kept_padded is not None:
-        logger.info("rank %d: the target computes the padded micro-batch (--target-forward auto: %s)", ranks.rank,
-                    kept_padded)
-    elif forward in ("auto", "packed"):
+    forward, why = config.model.target_forward, f"--target-forward {config.model.target_forward}"
+    if forward == "auto":
+        kept_padded = packed_applies(target, config.data.target_length_groups)
+        forward, why = ("hf", f"{why}: {kept_padded}") if kept_padded else ("packed", why)
+    if forward == "packed":
         use_packed_rows(target)
         logger.info("rank %d: the target computes the real tokens only, each micro-batch's rows packed into one "
-                    "sequence (--target-forward %s)", ranks.rank, forward)
+                    "sequence (%s)", ranks.rank, why)
+    else:
+        logger.info("rank %d: the target computes the padded micro-batch (%s)", ranks.rank, why)
     if fast_gpu:
         target.compile_pointwise()
     return target

@@ -98,20 +98,11 @@ def test_targets_and_calls_the_packed_forward_would_run_wrongly_are_refused():
         packed_attention(torch.nn.Identity(), q, q[:, :2], q[:, :2], None)
 
 
-def test_auto_keeps_the_padded_forward_where_flash_attention_does_not_run_or_the_rows_are_grouped():
-    target = tiny_target("Qwen2", dtype=torch.bfloat16)
-    assert packed_applies(target, 4) == "--target-length-groups 4 computes the target by groups of rows"
-    assert packed_applies(target, 1) == "FlashAttention's kernel does not run on cpu in torch.bfloat16 with head dim 16"
-
-
-@pytest.mark.gpu
-def test_on_a_gpu_auto_packs_the_rows_of_targets_without_sliding_windows():
-    qwen = tiny_target("Qwen2", dtype=torch.bfloat16)
-    qwen.model.cuda()
+def test_auto_packs_the_rows_unless_the_target_has_sliding_windows_or_the_rows_are_grouped():
+    qwen = tiny_target("Qwen2")
     assert packed_applies(qwen, 1) is None
-    mistral = tiny_target("Mistral", dtype=torch.bfloat16, sliding_window=6)
-    mistral.model.cuda()
-    assert "sliding-window layers" in packed_applies(mistral, 1)
+    assert packed_applies(qwen, 4) == "--target-length-groups 4 computes the target by groups of rows"
+    assert "sliding-window layers" in packed_applies(tiny_target("Mistral", sliding_window=6), 1)
 
 
 @pytest.mark.gpu
