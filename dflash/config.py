@@ -331,11 +331,12 @@ def check_no_ignored_flags(t: TrainArgs) -> None:
                  f"--{name.replace('_', '-')} {getattr(t, name)}: only {by} uses it; add that or leave it out")
 
 
-def check_deepspeed_config(path: str, grad_accum: int = 1) -> None:
-    """A JSON object whose ZeRO stage keeps the drafter's weights whole on every rank. Stage 3
-    partitions the weights themselves: the run would train and export empty tensors. With
-    gradient accumulation, stage 1 or 2: their loss scale is how a step leaves a skipped
-    micro-batch out of its mean (dflash/training/spike.py gradient_scaled)."""
+def check_deepspeed_config(path: str) -> None:
+    """A JSON object whose ZeRO stage keeps the drafter's weights whole on every rank and skips an
+    update whose gradient is not finite: stage 1 or 2. Stage 3 partitions the weights themselves
+    (the run would train and export empty tensors); without ZeRO the engine applies a NaN gradient,
+    and both the spike guard (dflash/training/spike.py poisoned) and gradient accumulation's
+    skipped micro-batches (gradient_scaled, ZeRO's loss scale) rely on that skip."""
     try:
         ds = json.loads(Path(path).read_text())
     except (OSError, ValueError) as err:
@@ -343,13 +344,11 @@ def check_deepspeed_config(path: str, grad_accum: int = 1) -> None:
     _require(isinstance(ds, dict), f"--deepspeed-config {path}: expected a JSON object of DeepSpeed settings")
     zero = ds.get("zero_optimization") or {}
     stage = zero.get("stage", 0) if isinstance(zero, dict) else 0  # DeepSpeed names a malformed section itself
-    _require(stage in (0, 1, 2),
+    _require(stage in (1, 2),
              f"--deepspeed-config {path}: zero_optimization.stage {stage!r} is not supported; use stage 1 or 2 "
              "(ds_configs/zero1.json, ds_configs/zero2.json). The drafter is small: what ZeRO shards here is its "
-             "optimizer state (stage 1) and gradients (stage 2), while every rank keeps the whole drafter")
-    _require(grad_accum == 1 or stage in (1, 2),
-             f"--deepspeed-config {path}: zero_optimization.stage {stage!r} with --grad-accum {grad_accum}: gradient "
-             "accumulation needs ZeRO stage 1 or 2 (ds_configs/zero1.json), or pass --grad-accum 1")
+             "optimizer state (stage 1) and gradients (stage 2), while every rank keeps the whole drafter; without "
+             "ZeRO (stage 0) a non-finite gradient would reach the weights instead of skipping the step")
 
 
 def validate(config: RunConfig, for_training: bool = True) -> None:
@@ -424,7 +423,7 @@ def _validate_run(t: TrainArgs, for_training: bool) -> None:
     _require(t.kl_weight >= 0 and t.feature_noise_std >= 0, "--kl-weight and --feature-noise-std must be >= 0")
     _require(t.device in ("auto", "cpu", "cuda"), f"--device {t.device}: use auto, cpu or cuda")
     if t.deepspeed_config is not None:
-        check_deepspeed_config(t.deepspeed_config, t.grad_accum)
+        check_deepspeed_config(t.deepspeed_config)
     _require(t.device != "cuda" or torch.cuda.is_available(),
              "--device cuda: no CUDA device is visible on this machine; use --device cpu (or auto), or check "
              "CUDA_VISIBLE_DEVICES and the driver (nvidia-smi)")

@@ -215,7 +215,11 @@ def _logged_step(line: str) -> float:
 def progress_line(record: dict, total_steps: int) -> str:
     acc = record["acc"]
     per_gpu = record["draft_positions_per_s"] * record["drafter_ranks"] / record["world_size"]
-    skipped = record["skipped_micro_batches"] + record["skipped_steps"]
+    # with one micro-batch a step, the engine also counts each the spike guard skipped
+    skipped = " and ".join(part for part in [
+        f"{record['skipped_steps']} steps" if record["skipped_steps"] else "",
+        f"{record['skipped_micro_batches']} micro-batches by the spike guard" if record["skipped_micro_batches"] else "",
+    ] if part)
     return " | ".join(part for part in [
         f"step {record['step']}/{total_steps}",
         f"epoch {record['epoch'] + 1}/{record['epochs']}, {100 * record['epoch_fraction']:.0f}% of this epoch",

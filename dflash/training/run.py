@@ -48,7 +48,7 @@ from dflash.training.peer_loss import peer_losses_reported
 from dflash.training.run_report import RunReport, held_out_probe
 from dflash.training.schedules import feature_noise_std
 from dflash.training.shard import prepare_train_shard, train_shard_dir
-from dflash.training.spike import StepTally, UpdateCheck, gradient_scaled
+from dflash.training.spike import StepTally, UpdateCheck, gradient_scaled, poisoned
 from dflash.util.cli import ConfigError
 from dflash.util.phases import PhaseClock
 
@@ -272,20 +272,26 @@ def train_steps(ctx: RankContext, run: DrafterRun, report: RunReport, source: Fe
         for (epoch, batch_step, indices, batch, _), these in zip(window, blocks):
             out = micro_batch_loss(ctx, run, batch, these, denominators)
             clock.mark("drafter_forward")
-            skipped.append(run.guard.should_skip(out.mean_loss, track=batch is not None))
-            clock.mark("spike_check")
+            flag = run.guard.vote(out.mean_loss, track=batch is not None)
+            if ctx.config.train.grad_accum == 1:
+                # the verdict acts on the device, so the backward is queued while the forward still runs
+                clock.mark("spike_check")
+                stepped = backward_and_step(run, poisoned(out.loss, flag), clock)
+                skipped.append(run.guard.settle())  # the engine's step has read its gradient norm: no wait
+                whole_skip = skipped[-1]
+            else:
+                skipped.append(run.guard.settle())
+                clock.mark("spike_check")
+                if skipped[-1]:  # a zero in its place keeps the engine's accumulation count on the window's boundary
+                    out = run.step.empty_loss()
+                loss, scale, whole_skip = kept_loss(ctx, run, out.loss, skipped, per_micro)
+                stepped = backward_and_step(run, loss, clock, scale)
             if skipped[-1]:
                 logger.warning("skipped the micro-batch of step %d, epoch %d: loss %.4g vs recent median %s "
-                               "(%d skipped so far)", batch_step, epoch + 1, float(out.mean_loss),
+                               "(%d skipped so far)", batch_step, epoch + 1, run.guard.last_loss,
                                f"{run.guard.reference:.4g}" if run.guard.reference is not None else "n/a",
                                run.guard.skipped)
-                if ctx.config.train.grad_accum == 1:
-                    continue  # the whole optimizer step is skipped
-                # a zero in its place keeps the engine's accumulation count on the window's boundary
-                out, batch = run.step.empty_loss(), None
-            loss, scale, whole_skip = kept_loss(ctx, run, out.loss, skipped, per_micro)
-            stepped = backward_and_step(run, loss, clock, scale)
-            if batch is not None:  # an empty or skipped micro-batch's zero loss is no sample of the loss
+            elif batch is not None:  # an empty or skipped micro-batch's loss is no sample of the loss
                 report.micro_batch(out, indices, ran_target=not batch.reused)
             if stepped:
                 report.optimizer_step(epoch, batch_step)

@@ -2,12 +2,19 @@
 can no longer learn.
 
 DeepSpeed's only skip is its fp16/bf16 overflow path; a loss spike or a NaN that does not
-overflow goes straight into the weights. The guard looks at each micro-batch's loss BEFORE
-backward: a non-finite loss, or one above `factor` x the median of the last `window` accepted
-losses (once `warmup` have been accepted), is skipped on EVERY drafter rank (the decision is
-all-reduced, since ZeRO's gradient reduction during backward is collective). A skipped
-micro-batch never reaches the engine, so weights, optimizer moments, LR schedule and the
-engine's step counters are untouched and stay coherent.
+overflow goes straight into the weights. The guard judges each micro-batch's loss before its
+gradient reaches the weights: a non-finite loss, or one above `factor` x the median of the last
+`window` accepted losses (once `warmup` have been accepted), is skipped on EVERY drafter rank (the
+decision is all-reduced, since ZeRO's gradient reduction during backward is collective).
+
+The verdict is taken on the device (`vote`), against the limit the host already knows from the
+losses before, so nothing waits for the forward to end: with one micro-batch a step, a skipped
+one backpropagates NaN gradients (`poisoned`) and the engine skips the update as it does on
+overflow (weights, optimizer moments and LR schedule untouched; the engine counts the step as
+skipped), while the host queues the backward instead of waiting for the loss. `settle` reads the
+verdict once the engine's step has read its gradient norm (the work is done by then). With
+several micro-batches a step, a skipped one is left out of the step's gradient before its
+backward (training reads the verdict at once, and replaces the micro-batch by a zero loss).
 
 Why a rolling median: the loss falls fast early in a run (from ~30 to ~5 in tens of steps), and
 a running mean that remembers those first losses lets a 5x spike through long after; the
@@ -47,36 +54,58 @@ class SpikeGuard:
         self._recent: deque[float] = deque(maxlen=window)
         self.accepted = 0
         self.skipped = 0
+        self.last_loss = math.nan  # the loss of the last vote settled
+        self._copy: HostCopy | None = None
+        self._pending_track: bool | None = None  # the vote in flight (whether it tracks), None if none
 
     @property
     def reference(self) -> float | None:
         """The median of the recent accepted losses, or None before any."""
         return statistics.median(self._recent) if self._recent else None
 
-    def _locally_bad(self, value: float) -> bool:
-        if not math.isfinite(value):
-            return True
+    def limit(self) -> float | None:
+        """The loss above which a micro-batch is a spike, once warm; None before (or factor 0)."""
         warm = self.factor > 0 and self.accepted >= self.warmup and self._recent
-        return bool(warm) and value > self.factor * self.reference
+        return self.factor * self.reference if warm else None
 
-    def _any_rank(self, bad: bool, device: torch.device) -> bool:
-        flag = torch.tensor([1.0 if bad else 0.0], device=device)
+    def vote(self, loss: torch.Tensor, track: bool = True) -> torch.Tensor:
+        """This micro-batch's verdict, taken on the loss's device without waiting for it: [1]
+        float, 1 where any drafter rank saw a spike or a non-finite loss. Collective: every drafter
+        rank votes each micro-batch; `track=False` (a rank with no samples this step) votes no and
+        adds nothing to the window. `settle` reads it."""
+        value = loss.detach().float().reshape(1)
+        bad = ~torch.isfinite(value)
+        limit = self.limit()
+        if limit is not None:
+            bad = bad | (value.double() > limit)  # the host's float64 comparison, exactly
+        flag = (bad & track).float()
         if self.group is not None and dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flag.item() > 0)
+        if self._copy is None:
+            self._copy = HostCopy(value.device)
+        self._copy.start(torch.cat([value, flag]))
+        self._pending_track = track
+        return flag
 
-    def should_skip(self, loss: torch.Tensor, track: bool = True) -> bool:
-        """True when any drafter rank saw a spike or a non-finite loss in this micro-batch.
-        Collective: every drafter rank calls it each micro-batch; `track=False` (a rank with
-        no samples this step) votes without adding to the window."""
-        value = float(loss.detach().float())
-        if self._any_rank(track and self._locally_bad(value), loss.device):
+    def settle(self) -> bool:
+        """Read the last vote (waiting for it, where it is not done): True when it skips; a kept
+        loss joins the window."""
+        if self._pending_track is None:
+            raise RuntimeError("SpikeGuard.settle without a vote to read")
+        track, self._pending_track = self._pending_track, None
+        self.last_loss, flag = self._copy.read()
+        if flag > 0:
             self.skipped += 1
             return True
         if track:
             self.accepted += 1
-            self._recent.append(value)
+            self._recent.append(self.last_loss)
         return False
+
+    def should_skip(self, loss: torch.Tensor, track: bool = True) -> bool:
+        """vote and settle at once: True when any drafter rank saw a spike or a non-finite loss."""
+        self.vote(loss, track)
+        return self.settle()
 
     def state_dict(self) -> dict:
         return {"recent": list(self._recent), "accepted": self.accepted, "skipped": self.skipped}
@@ -84,6 +113,12 @@ class SpikeGuard:
     def load_state_dict(self, state: dict) -> None:
         self._recent = deque(state["recent"], maxlen=self._recent.maxlen)
         self.accepted, self.skipped = int(state["accepted"]), int(state["skipped"])
+
+
+def poisoned(loss: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
+    """The loss backward sees: `loss` itself where the vote `flag` [1] is 0 (bit for bit), else one
+    whose every gradient is NaN, which the engine's step skips as an overflow."""
+    return loss * torch.where(flag[0] > 0, math.nan, 1.0)
 
 
 @contextlib.contextmanager

@@ -270,14 +270,14 @@ def test_zero_stage_3_is_refused_at_start(capsys, paths):
                "(ds_configs/zero1.json, ds_configs/zero2.json)", "what ZeRO shards here is its optimizer state")
 
 
-def test_gradient_accumulation_without_zero_is_refused_at_start(capsys, paths):
-    """A step leaves a skipped micro-batch out of its mean through ZeRO's loss scale."""
+def test_a_config_without_zero_is_refused_at_start(capsys, paths):
+    """Without ZeRO the engine applies a NaN gradient: the spike guard's skip (a NaN gradient the
+    step skips) and a step's skipped micro-batches (ZeRO's loss scale) need stage 1 or 2."""
     ds = paths["tmp"] / "zero0.json"
     ds.write_text('{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0}}')
-    fails_with(capsys, ["--target", paths["target"], "--train-data", paths["data"], "--deepspeed-config", str(ds),
-                        "--grad-accum", "2"],
-               f"--deepspeed-config {ds}: zero_optimization.stage 0 with --grad-accum 2: gradient accumulation needs "
-               "ZeRO stage 1 or 2")
+    fails_with(capsys, ["--target", paths["target"], "--train-data", paths["data"], "--deepspeed-config", str(ds)],
+               f"--deepspeed-config {ds}: zero_optimization.stage 0 is not supported; use stage 1 or 2",
+               "without ZeRO (stage 0) a non-finite gradient would reach the weights")
 
 
 def test_periodic_checkpoints_are_on_by_default_by_time_or_as_the_flags_say(paths):

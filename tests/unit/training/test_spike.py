@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import REPO, free_port, run_two_at_a_time
-from dflash.training.spike import SpikeGuard
+from dflash.training.spike import SpikeGuard, poisoned
 
 
 def feed(guard: SpikeGuard, values: list[float]) -> list[bool]:
@@ -69,17 +69,70 @@ def engine_workers() -> dict[str, subprocess.CompletedProcess]:
     return run_two_at_a_time({worker: functools.partial(run, worker) for worker in workers})
 
 
-def test_a_non_finite_gradient_behind_a_finite_loss_is_skipped_by_the_engine(engine_workers):
-    """The loss guard cannot see it; DeepSpeed's ZeRO 1/2 step checks the gradient norm and skips
-    the update. Pinned here because the training loop relies on it (and counts skipped_steps)."""
+def test_a_non_finite_gradient_or_a_poisoned_spike_is_skipped_by_the_engine(engine_workers):
+    """The loss guard cannot see a NaN gradient behind a finite loss; DeepSpeed's ZeRO 1/2 step
+    checks the gradient norm and skips the update. The spike guard relies on the same skip: its
+    verdict, taken on the device, poisons the spike's gradient, so a spike's step moves nothing
+    either, while a kept loss trains. Pinned here because the training loop relies on it (and
+    counts skipped_steps)."""
     import json
 
     proc = engine_workers["nonfinite_grad_worker.py"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
+    skipped = {"loss_finite": True, "weights_moved": False, "moments_moved": False, "lr_moved": False,
+               "skipped_steps": 1}
     for stage in ("1", "2"):
-        assert report[stage] == {"loss_finite": True, "weights_moved": False, "moments_moved": False,
-                                 "lr_moved": False, "skipped_steps": 1}, (stage, report[stage])
+        assert report[stage]["nan_gradient"] == {**skipped, "guard_skipped": None}, (stage, report[stage])
+        assert report[stage]["spike"] == {**skipped, "loss_finite": False, "guard_skipped": True}, (stage, report[stage])
+        assert report[stage]["kept"] == {"loss_finite": True, "guard_skipped": False, "weights_moved": True,
+                                         "moments_moved": True, "lr_moved": True, "skipped_steps": 0}, (
+            stage, report[stage])
+
+
+def test_a_poisoned_loss_is_the_loss_bit_for_bit_unless_voted_down():
+    """poisoned(loss, flag): the same gradient, exactly, where the vote is 0; NaN in every
+    gradient where it is 1, a non-finite loss is voted down before any warm-up."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 4)
+    x = torch.randn(16, 8)
+
+    def gradients(flag: torch.Tensor | None) -> list[torch.Tensor]:
+        layer.zero_grad()
+        loss = layer(x).pow(2).mean()
+        (loss if flag is None else poisoned(loss, flag)).backward()
+        return [p.grad.clone() for p in layer.parameters()]
+
+    guard = SpikeGuard(factor=3.0, warmup=5)
+    kept = guard.vote(torch.tensor(1.0))
+    assert kept.tolist() == [0.0] and guard.settle() is False
+    assert all(torch.equal(a, b) for a, b in zip(gradients(kept), gradients(None)))
+    down = guard.vote(torch.tensor(float("inf")))
+    assert down.tolist() == [1.0] and guard.settle() is True
+    assert all(g.isnan().all() for g in gradients(down))
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_vote_and_the_poisoned_backward_queue_without_a_host_sync():
+    """The point of voting on the device: between the forward's loss and the engine's step, the
+    host never waits for the GPU (CUDA's sync debug mode raises on any wait), and the verdicts,
+    read after, are those of the CPU."""
+    layer = torch.nn.Linear(64, 64).cuda()
+    x = torch.randn(256, 64, device="cuda")
+    guard = SpikeGuard(factor=3.0, warmup=1)
+    guard.should_skip(torch.tensor(1.0, device="cuda"))  # warm: a loss above 3 is a spike
+    verdicts = []
+    for offset in (0.0, 100.0, float("nan")):
+        layer.zero_grad()
+        loss = layer(x).pow(2).mean() * 1e-3 + offset
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            poisoned(loss, guard.vote(loss)).backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        verdicts.append((guard.settle(), bool(layer.weight.grad.isnan().all())))
+    assert verdicts == [(False, False), (True, True), (True, True)]
 
 
 def test_a_run_stops_once_more_than_half_of_its_recent_steps_were_skipped():
