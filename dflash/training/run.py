@@ -294,7 +294,7 @@ def train_steps(ctx: RankContext, run: DrafterRun, report: RunReport, source: Fe
             elif batch is not None:  # an empty or skipped micro-batch's loss is no sample of the loss
                 report.micro_batch(out, indices, ran_target=not batch.reused)
             if stepped:
-                report.optimizer_step(epoch, batch_step)
+                report.optimizer_step(epoch, batch_step, applied=run.engine.skipped_steps == before[1])
             clock.mark("bookkeeping")
         count_step(run, tally, before, guard_skipped=whole_skip or all(skipped))
         saving = False

@@ -59,9 +59,12 @@ class RunReport:
         self.window.add(out, tokens=int(lengths.sum()), flops=micro_batch_flops(
             self.shapes, lengths, self.run.anchors[indices], with_target=ran_target))
 
-    def optimizer_step(self, epoch: int, batch_step: int) -> None:
+    def optimizer_step(self, epoch: int, batch_step: int, applied: bool) -> None:
+        """`applied`: the step updated the weights; a skipped step's gradient norm (inf, or that of a
+        gradient the spike guard threw away) stays out of the window's."""
         train, step = self.ctx.config.train, self.run.engine.global_steps
-        self.window.add_grad_norm(self.run.engine.get_global_grad_norm())
+        if applied:
+            self.window.add_grad_norm(self.run.engine.get_global_grad_norm())
         self.profiler.step_done(step)
         if self.probe is not None and (step % train.eval_every == 0 or self.run.finished):
             self.measure_tau()

@@ -6,6 +6,7 @@ with one line that names the checkpoint to resume from."""
 from __future__ import annotations
 
 import json
+import math
 import signal
 import subprocess
 import time
@@ -103,6 +104,8 @@ def test_a_resumed_run_skips_exactly_as_the_uninterrupted_one(tiny_setup, tmp_pa
     straight = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
     skips = {r["step"]: r["skipped_micro_batches"] for r in straight}
     assert skips[25] >= 1 and skips[40] > skips[25], f"skips before and after step 25: {skips}"
+    norms = [r["grad_norm"] for r in straight if "grad_norm" in r]  # a window of skipped steps only has none
+    assert len(norms) > 30 and all(map(math.isfinite, norms)), "a skipped step's norm is no norm of an update"
     shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
     out = args.index("--output-dir") + 1
     proc = run_trainer([*args[:out], str(tmp_path / "resumed"), *args[out + 1:], "--resume"])
