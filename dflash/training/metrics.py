@@ -215,7 +215,7 @@ def _logged_step(line: str) -> float:
 def progress_line(record: dict, total_steps: int) -> str:
     acc = record["acc"]
     per_gpu = record["draft_positions_per_s"] * record["drafter_ranks"] / record["world_size"]
-    # with one micro-batch a step, the engine also counts each the spike guard skipped
+    # with one micro-batch a step, the engine also counts each step the spike guard skipped
     skipped = " and ".join(part for part in [
         f"{record['skipped_steps']} steps" if record["skipped_steps"] else "",
         f"{record['skipped_micro_batches']} micro-batches by the spike guard" if record["skipped_micro_batches"] else "",
