@@ -272,15 +272,14 @@ def train_steps(ctx: RankContext, run: DrafterRun, report: RunReport, source: Fe
         for (epoch, batch_step, indices, batch, _), these in zip(window, blocks):
             out = micro_batch_loss(ctx, run, batch, these, denominators)
             clock.mark("drafter_forward")
-            flag = run.guard.vote(out.mean_loss, track=batch is not None)
             if ctx.config.train.grad_accum == 1:
                 # the verdict acts on the device, so the backward is queued while the forward still runs
+                flag = run.guard.vote(out.mean_loss, track=batch is not None)
                 clock.mark("spike_check")
                 stepped = backward_and_step(run, poisoned(out.loss, flag), clock)
                 skipped.append(run.guard.settle())  # the engine's step has read its gradient norm: no wait
-                whole_skip = skipped[-1]
             else:
-                skipped.append(run.guard.settle())
+                skipped.append(run.guard.should_skip(out.mean_loss, track=batch is not None))
                 clock.mark("spike_check")
                 if skipped[-1]:  # a zero in its place keeps the engine's accumulation count on the window's boundary
                     out = run.step.empty_loss()
