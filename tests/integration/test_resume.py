@@ -88,6 +88,16 @@ def test_sigkill_and_resume_reproduces_the_uninterrupted_run(tiny_setup, tmp_pat
     assert (resumed / "checkpoints" / f"step_{STEPS}" / STATE_FILE).is_file()
 
 
+def spiky_run(tiny_setup, out: Path, steps: int, *extra: str):
+    """A tiny run whose spike factor of 1.002 makes a few of its losses spikes: at the peak learning
+    rate from step 2 (no 20-step warmup) they wobble enough. Its flags, process and metrics records."""
+    args = tiny_args(tiny_setup, out, "--spike-factor", "1.002", "--min-warmup-steps", "0", *extra)
+    args[args.index("--max-steps") + 1] = str(steps)
+    proc = run_trainer(args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return args, proc, [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_a_resumed_run_skips_exactly_as_the_uninterrupted_one(tiny_setup, tmp_path):
     """The spike guard's window is in the checkpoint: a run resumed from step 25, with a skip
     before it inside the window, skips the same micro-batches after it and trains the same losses.
@@ -96,13 +106,7 @@ def test_a_resumed_run_skips_exactly_as_the_uninterrupted_one(tiny_setup, tmp_pa
     a few of them spikes."""
     import shutil
 
-    # at the peak learning rate from step 2 (no 20-step warmup) its losses wobble enough to spike
-    args = tiny_args(tiny_setup, tmp_path / "straight", "--spike-factor", "1.002", "--save-every", "25",
-                     "--min-warmup-steps", "0")
-    args[args.index("--max-steps") + 1] = "40"
-    proc = run_trainer(args)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    straight = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    args, _, straight = spiky_run(tiny_setup, tmp_path / "straight", 40, "--save-every", "25")
     skips = {r["step"]: r["skipped_micro_batches"] for r in straight}
     assert skips[25] >= 1 and skips[40] > skips[25], f"skips before and after step 25: {skips}"
     norms = [r["grad_norm"] for r in straight if "grad_norm" in r]  # a window of skipped steps only has none
@@ -120,12 +124,7 @@ def test_a_resumed_run_skips_exactly_as_the_uninterrupted_one(tiny_setup, tmp_pa
 def test_with_accumulation_the_guard_skips_micro_batches_and_the_steps_train_on(tiny_setup, tmp_path):
     """--grad-accum 2: a spike leaves its micro-batch out of the step (read before its backward),
     the other micro-batch's gradient still trains, and no non-finite norm reaches the log."""
-    args = tiny_args(tiny_setup, tmp_path / "accum", "--spike-factor", "1.002", "--min-warmup-steps", "0",
-                     "--grad-accum", "2")
-    args[args.index("--max-steps") + 1] = "30"
-    proc = run_trainer(args)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "accum" / "metrics.jsonl").read_text().splitlines()]
+    _, proc, records = spiky_run(tiny_setup, tmp_path / "accum", 30, "--grad-accum", "2")
     last = records[-1]
     assert last["skipped_micro_batches"] >= 1, "a factor of 1.002 makes some of the tiny run's losses spikes"
     # a step is skipped only where both of its micro-batches were
