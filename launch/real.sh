@@ -96,17 +96,22 @@ fi
   --max-tokens "${MAX_TOKENS:-32768}" --preset "$PRESET" ${MASK_ID:+--mask-token-id "$MASK_ID"} ${EXTRA_TRAIN_FLAGS:-}
 train_seconds=$((SECONDS - started))
 
-evaluate() {  # dtype name new_tokens -> $RUN/eval_<name>.json; float32 fails (exit 1) unless the output is greedy's
+evaluate() {  # dtype output new_tokens...; float32 fails (exit 1) unless the output is greedy's
   "$PY" -m dflash.eval --target "$TARGET" --drafter "$RUN/drafter" --prompts "$DATA/heldout.jsonl" \
-    --num-prompts "${EVAL_PROMPTS:-64}" --max-new-tokens "$3" --dtype "$1" --output "$RUN/eval_$2.json"
+    --num-prompts "${EVAL_PROMPTS:-64}" --dtype "$1" --output "$2" --max-new-tokens "${@:3}"
 }
 # shellcheck disable=SC2086  # EVAL_NEW is a list of lengths
 lengths=$(printf '%s\n' ${EVAL_NEW:-128 ${MAX_NEW:-384}} | awk '!seen[$0]++')
-for new in $lengths; do
-  evaluate bfloat16 "bf16_$new" "$new"
-done
+# every bfloat16 length in one process (the target loads, and the decoder compiles, once): with several
+# lengths dflash.eval writes eval_bf16_<length>.json from --output eval_bf16.json
+# shellcheck disable=SC2086
+if [ "$(echo $lengths | wc -w)" = 1 ]; then
+  evaluate bfloat16 "$RUN/eval_bf16_$lengths.json" $lengths
+else
+  evaluate bfloat16 "$RUN/eval_bf16.json" $lengths
+fi
 lossless=0
-evaluate float32 fp32 "${LOSSLESS_NEW:-128}" || lossless=$?
+evaluate float32 "$RUN/eval_fp32.json" "${LOSSLESS_NEW:-128}" || lossless=$?
 
 # shellcheck disable=SC2086
 "$PY" - "$RUN" "$DATA/regen.jsonl" "$train_seconds" $lengths <<'EOF'

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from dflash.config import EVAL_FLAGS, check_eval_flags
 from dflash.data.chat_formats import DataError
@@ -40,7 +41,9 @@ class EvalArgs:
         "help": "evaluate although --tokenizer's special ids or vocabulary differ from --target's"})
     prompts: str = field(default=str(DEMO_HELDOUT_DATA), metadata={"help": "chat JSONL; the last assistant turn is dropped"})
     num_prompts: int = 16
-    max_new_tokens: int = 96
+    max_new_tokens: list[int] = field(default_factory=lambda: [96], metadata={
+        "help": "new tokens per prompt; several (e.g. 128 384) judge each length in one process, which loads the "
+                "target once and reuses the decoder's compiled steps and graphs, and write one report each"})
     device: str = "auto"
     dtype: str = field(default="float32", metadata={"help": "float32 (exact lossless check) | bfloat16 (serving speed) | "
                                                            "auto (bfloat16 on a GPU, float32 on the CPU)"})
@@ -48,7 +51,9 @@ class EvalArgs:
                                                            "Mistral, Qwen2/3) | plain (HF forward, any family) | auto"})
     thinking: str = field(default="auto", metadata={"help": THINKING_HELP + " (a drafter that records another "
                                                                           "mode is refused)"})
-    output: str | None = field(default=None, metadata={"help": "write the report as JSON here"})
+    output: str | None = field(default=None, metadata={
+        "help": "write the report as JSON here; with several --max-new-tokens, one per length, named with it "
+                "(eval.json: eval_128.json, eval_384.json)"})
 
 
 EVAL_ERRORS = (DataError, DrafterLoadError, TargetError, ValueError)
@@ -60,20 +65,30 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.target == str(DEMO_TARGET_DIR) or args.prompts == str(DEMO_HELDOUT_DATA):  # the defaults
             require_demo_assets("--target, --drafter and --prompts")
-        check_eval_flags(args.prompts, args.num_prompts, args.max_new_tokens, args.dtype, EVAL_FLAGS, min_prompts=1)
+        for length in args.max_new_tokens:
+            check_eval_flags(args.prompts, args.num_prompts, length, args.dtype, EVAL_FLAGS, min_prompts=1)
         if args.decoder not in DECODERS:
             raise ValueError(f"--decoder {args.decoder}: use one of {', '.join(DECODERS)}")
         tokenizer = args.tokenizer or args.target
         check_tokenizer_matches_target(load_tokenizer(tokenizer), args.target, tokenizer, args.allow_tokenizer_mismatch)
         device = pick_device(args.device, 0)
-        request = EvalRequest(args.target, tokenizer, args.prompts, args.num_prompts, args.max_new_tokens,
+        request = EvalRequest(args.target, tokenizer, args.prompts, args.num_prompts, max(args.max_new_tokens),
                               resolve_dtype(args.dtype, device), args.decoder, args.thinking)
-        reports = evaluate_drafters(request, {"drafter": args.drafter}, device)
+        reports = evaluate_drafters(request, {"drafter": args.drafter}, device, args.max_new_tokens)
     except EVAL_ERRORS as err:
         return user_error(err)
     if args.output:
-        write_reports(reports, args.output)
-    return 0 if check_lossless(reports) else 1
+        for length, path in report_paths(args.output, args.max_new_tokens).items():
+            write_reports(reports[length], path)
+    return 0 if all([check_lossless(r) for r in reports.values()]) else 1  # each logs what it finds
+
+
+def report_paths(output: str, lengths: list[int]) -> dict[int, Path]:
+    """--output for one length; with several, the length joins each file's name."""
+    path = Path(output)
+    if len(set(lengths)) == 1:
+        return {lengths[0]: path}
+    return {length: path.with_name(f"{path.stem}_{length}{path.suffix}") for length in lengths}
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -237,18 +238,24 @@ class EvalTally:
 
 def evaluate_tally(target: FrozenTarget, drafter: DFlashDrafter, prompts: list[list[int]], max_new_tokens: int,
                    eos_ids: set[int], decoder: str = "auto", continuations: dict | None = None,
-                   on_prompt: Callable[[], None] = lambda: None) -> EvalTally:
+                   on_prompt: Callable[[], None] = lambda: None, decoders: dict | None = None) -> EvalTally:
     """Greedy against speculative decoding of each prompt, and the teacher-forced counts on the
-    target's continuations. `continuations`: a dict that keeps those per block size, so that the
-    drafters judged on one target and prompts share them (they take a greedy decode each);
-    `on_prompt`: called as each prompt is decoded (a sign of life for whoever waits)."""
+    target's continuations. `continuations`: a dict that keeps those per block size and length, so
+    that the drafters judged on one target and prompts share them (they take a greedy decode each);
+    `on_prompt`: called as each prompt is decoded (a sign of life for whoever waits); `decoders`: a
+    dict that keeps each drafter's Decoder, so that judging it again at a length its caches hold
+    reuses its compiled steps and captured graphs."""
     drafter = drafter.to(target.device, target.embed_tokens.weight.dtype).eval()
     kind = resolve_decoder(decoder, target)
     block = drafter.block_size
     dtype = str(target.embed_tokens.weight.dtype).removeprefix("torch.")
-    decode = Decoder(target, drafter, max(map(len, prompts)) + max_new_tokens + block, kind)
+    started = time.perf_counter()
+    decode = reusable_decoder(target, drafter, max(map(len, prompts)) + max_new_tokens + block, kind,
+                              {} if decoders is None else decoders)
     decode.greedy(prompts[0], 4, eos_ids)  # warm-up: first calls pay one-off costs (and capture graphs)
     decode.speculative(prompts[0], 4, eos_ids)
+    logger.info("decoder ready in %.1f s (compiling its steps and capturing graphs the first time)",
+                time.perf_counter() - started)
     tally = EvalTally(dtype, kind, TeacherForcedTally([0.0] * block, [0.0] * block), block, prompts=len(prompts))
     replies = []
     for prompt in prompts:
@@ -266,18 +273,29 @@ def evaluate_tally(target: FrozenTarget, drafter: DFlashDrafter, prompts: list[l
         tally.tokens += len(spec.tokens)
         on_prompt()
     continuations = {} if continuations is None else continuations
-    if block not in continuations:
-        continuations[block] = [(p, *continuation(decode, p, max_new_tokens, eos_ids, block, reply))
-                                for p, reply in zip(prompts, replies)]
-    tally.teacher = teacher_forced_tally(drafter, target.embed_tokens, target.lm_head, continuations[block],
-                                         target_features(target))
+    if (block, max_new_tokens) not in continuations:
+        continuations[block, max_new_tokens] = [(p, *continuation(decode, p, max_new_tokens, eos_ids, block, reply))
+                                                for p, reply in zip(prompts, replies)]
+    tally.teacher = teacher_forced_tally(drafter, target.embed_tokens, target.lm_head,
+                                         continuations[block, max_new_tokens], target_features(target))
     return tally
 
 
+def reusable_decoder(target: FrozenTarget, drafter: DFlashDrafter, capacity: int, kind: str, decoders: dict) -> Decoder:
+    """The Decoder `decoders` keeps for this drafter, where its caches hold `capacity` positions;
+    else a new one, kept there."""
+    kept = decoders.get((drafter, kind))
+    if kept is None or kept.capacity < capacity:
+        kept = decoders[drafter, kind] = Decoder(target, drafter, capacity, kind)
+    return kept
+
+
 def evaluate(target: FrozenTarget, drafter: DFlashDrafter, prompts: list[list[int]], max_new_tokens: int,
-             eos_ids: set[int], decoder: str = "auto", continuations: dict | None = None) -> EvalReport:
+             eos_ids: set[int], decoder: str = "auto", continuations: dict | None = None,
+             decoders: dict | None = None) -> EvalReport:
     """evaluate_tally's figures."""
-    return evaluate_tally(target, drafter, prompts, max_new_tokens, eos_ids, decoder, continuations).report()
+    return evaluate_tally(target, drafter, prompts, max_new_tokens, eos_ids, decoder, continuations,
+                          decoders=decoders).report()
 
 
 def load_prompts(path: str, tokenizer, limit: int, thinking: str = "none") -> list[list[int]]:
@@ -322,34 +340,63 @@ def tally_drafters(request: EvalRequest, drafters: dict[str, str | Path], device
                    ) -> dict[str, EvalTally]:
     """Load the target once and judge each named drafter folder on the same prompts (`share` (i, k):
     the i-th of every k of them); a drafter that records another thinking mode is refused."""
-    tokenizer = load_tokenizer(request.tokenizer)
-    mode = resolve_thinking(tokenizer, request.thinking)
-    prompts = load_prompts(request.prompts, tokenizer, request.num_prompts, mode)  # cheap checks before the target
-    prompts = prompts[share[0]::share[1]]
-    loaded = {name: load_drafter(path) for name, path in drafters.items()}
-    for name, drafter in loaded.items():
-        trained = drafter.config.dflash_config.get("thinking")  # None: exported before drafters recorded it
-        if trained is not None and trained != mode:
-            raise mismatch_error(trained, f"--drafter {drafters[name]} (dflash_config in its config.json)", mode,
-                                 "the drafter")
-    layer_ids = {tuple(d.config.dflash_config["target_layer_ids"]) for d in loaded.values()}
-    if len(layer_ids) != 1:
-        raise DrafterLoadError(f"drafters {list(drafters)} read different target layers {sorted(layer_ids)}")
-    target = FrozenTarget.load(resolve_target(request.target), list(layer_ids.pop()), getattr(torch, request.dtype),
-                               device)
-    eos = eos_token_ids(tokenizer, target)
-    continuations: dict = {}
-    return {name: evaluate_tally(target, drafter, prompts, request.max_new_tokens, eos, request.decoder,
-                                 continuations, on_prompt)
-            for name, drafter in loaded.items()}
+    return Judging.load(request, drafters, device, share).tally(request.max_new_tokens, on_prompt)
 
 
-def evaluate_drafters(request: EvalRequest, drafters: dict[str, str | Path], device: torch.device
-                      ) -> dict[str, EvalReport]:
-    """tally_drafters' figures, each logged."""
-    reports = {name: tally.report() for name, tally in tally_drafters(request, drafters, device).items()}
-    for name, report in reports.items():
-        logger.info("eval %s: %s", name, report.summary())
+@dataclass
+class Judging:
+    """A target, prompts and drafters loaded once, to judge the drafters at one length or several:
+    the target's continuations and each drafter's Decoder are kept between lengths."""
+
+    request: EvalRequest
+    target: FrozenTarget
+    prompts: list[list[int]]
+    drafters: dict[str, DFlashDrafter]
+    eos: set[int]
+    continuations: dict = field(default_factory=dict)
+    decoders: dict = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, request: EvalRequest, drafters: dict[str, str | Path], device: torch.device,
+             share: tuple[int, int] = (0, 1)) -> Judging:
+        tokenizer = load_tokenizer(request.tokenizer)
+        mode = resolve_thinking(tokenizer, request.thinking)
+        prompts = load_prompts(request.prompts, tokenizer, request.num_prompts, mode)  # cheap checks before the target
+        prompts = prompts[share[0]::share[1]]
+        loaded = {name: load_drafter(path) for name, path in drafters.items()}
+        for name, drafter in loaded.items():
+            trained = drafter.config.dflash_config.get("thinking")  # None: exported before drafters recorded it
+            if trained is not None and trained != mode:
+                raise mismatch_error(trained, f"--drafter {drafters[name]} (dflash_config in its config.json)", mode,
+                                     "the drafter")
+        layer_ids = {tuple(d.config.dflash_config["target_layer_ids"]) for d in loaded.values()}
+        if len(layer_ids) != 1:
+            raise DrafterLoadError(f"drafters {list(drafters)} read different target layers {sorted(layer_ids)}")
+        target = FrozenTarget.load(resolve_target(request.target), list(layer_ids.pop()), getattr(torch, request.dtype),
+                                   device)
+        return cls(request, target, prompts, loaded, eos_token_ids(tokenizer, target))
+
+    def tally(self, max_new_tokens: int, on_prompt: Callable[[], None] = lambda: None) -> dict[str, EvalTally]:
+        return {name: evaluate_tally(self.target, drafter, self.prompts, max_new_tokens, self.eos, self.request.decoder,
+                                     self.continuations, on_prompt, self.decoders)
+                for name, drafter in self.drafters.items()}
+
+
+def evaluate_drafters(request: EvalRequest, drafters: dict[str, str | Path], device: torch.device,
+                      lengths: list[int]) -> dict[int, dict[str, EvalReport]]:
+    """The figures of each drafter at each of `lengths` new tokens a prompt (request.max_new_tokens
+    aside), each logged. One process judges them all: the target loads once, and the longest
+    length first makes the decoders that the shorter ones reuse."""
+    started = time.perf_counter()
+    judging = Judging.load(request, drafters, device)
+    logger.info("target and drafters loaded in %.1f s", time.perf_counter() - started)
+    reports = {}
+    for length in sorted(set(lengths), reverse=True):
+        started = time.perf_counter()
+        reports[length] = {name: tally.report() for name, tally in judging.tally(length).items()}
+        for name, report in reports[length].items():
+            logger.info("eval %s, at most %d new tokens (%.1f s): %s", name, length, time.perf_counter() - started,
+                        report.summary())
     return reports
 
 
@@ -368,6 +415,7 @@ def check_lossless(reports: dict[str, EvalReport]) -> bool:
 
 
 def write_reports(reports: dict[str, EvalReport], path: str | Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps({k: {**asdict(v), "lossless": v.lossless,
                                           "greedy_tokens_per_second": v.greedy_tokens_per_second,
                                           "speculative_tokens_per_second": v.speculative_tokens_per_second}

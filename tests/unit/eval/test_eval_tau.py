@@ -176,11 +176,11 @@ def test_drafters_judged_together_share_the_targets_continuations(monkeypatch):
     shared: dict = {}
     together = [evaluate(target, d, prompts, 12, set(), continuations=shared) for d in drafters]
     assert len(calls) == len(prompts), "the second drafter decoded the continuations again"
-    assert list(shared) == [4]
+    assert list(shared) == [(4, 12)]
     for a, t in zip(alone, together):
         assert (t.teacher_forced_tau, t.teacher_forced_acc, t.tau) == (a.teacher_forced_tau, a.teacher_forced_acc, a.tau)
     decoder = Decoder(target, None, 64, "auto")
-    assert shared[4] == [(p, *real(decoder, p, 12, set(), 4)) for p in prompts]
+    assert shared[4, 12] == [(p, *real(decoder, p, 12, set(), 4)) for p in prompts]
 
 
 def test_a_continuation_stops_b_minus_1_tokens_past_the_replys_end(monkeypatch):
@@ -224,3 +224,19 @@ def test_train_tau_walks_the_first_reply_only_not_the_next_one_past_a_user_turn(
     mask[12:18] = True  # the second, after a user turn at 9..11
     assert training_sequences([(ids, mask)], 1, 48) == [(list(range(4)), list(range(4, 9)), 5)]
     assert training_sequences([(ids, mask)], 1, 3) == [(list(range(4)), [4, 5, 6], 3)]
+
+
+def test_a_decoder_kept_for_a_longer_length_judges_a_shorter_one_as_its_own_decoder_would(fitted):
+    """Judging at several lengths reuses the decoder made for the longest: a shorter length then
+    decodes in caches larger than it needs, and must get the figures a decoder of its own gives."""
+    target, drafter, prompts, eos = fitted
+    alone = evaluate(target, drafter, prompts, 24, eos)
+    decoders, continuations = {}, {}
+    longer = evaluate(target, drafter, prompts, 48, eos, continuations=continuations, decoders=decoders)
+    kept = list(decoders.values())
+    shorter = evaluate(target, drafter, prompts, 24, eos, continuations=continuations, decoders=decoders)
+    assert list(decoders.values()) == kept and len(kept) == 1, "the 48-token decoder was not reused"
+    assert sorted(continuations) == [(8, 24), (8, 48)]
+    assert alone.tau > 1.5 and longer.tokens > shorter.tokens
+    for name in ("tokens", "diverged", "tau", "acceptance", "teacher_forced_acc", "teacher_forced_tau"):
+        assert getattr(shorter, name) == getattr(alone, name), name
