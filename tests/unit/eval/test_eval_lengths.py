@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 import dflash.eval.evaluate as evaluate_module
@@ -40,3 +41,26 @@ def test_several_lengths_in_one_call_reuse_one_decoder_and_give_each_lengths_own
     six = json.loads((tmp_path / "both" / "eval_6.json").read_text())["drafter"]
     twelve = json.loads((tmp_path / "both" / "eval_12.json").read_text())["drafter"]
     assert six["tokens"] < twelve["tokens"] <= 12 * 3  # each report decoded to its own length
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_kept_decoder_judges_a_shorter_length_as_its_own_decoder_would():
+    """Its steps compiled and replayed as CUDA graphs, the decoder made for 24 new tokens decodes
+    the 12-token judging as a decoder made for 12 does (float32: the same tokens, acceptance)."""
+    from conftest import tiny_drafter, tiny_target
+
+    from dflash.eval.evaluate import evaluate
+
+    target = tiny_target("qwen3", dtype=torch.float32)
+    target.model.cuda()
+    drafter = tiny_drafter(target, block_size=4, seed=3)
+    prompts = [[5, 9, 13, 7, 21, 3], [11, 4, 8, 30, 2, 6, 17, 40, 41]]
+    alone = evaluate(target, drafter, prompts, 12, set())
+    decoders: dict = {}
+    longer = evaluate(target, drafter, prompts, 24, set(), decoders=decoders)
+    shorter = evaluate(target, drafter, prompts, 12, set(), decoders=decoders)
+    (decoder,) = decoders.values()
+    assert decoder.session.graphs.enabled and decoder.capacity >= max(map(len, prompts)) + 24
+    assert longer.tokens == 48 and alone.lossless and shorter.lossless
+    for name in ("tokens", "tau", "acceptance", "teacher_forced_acc", "teacher_forced_tau"):
+        assert getattr(shorter, name) == getattr(alone, name), name
