@@ -309,6 +309,11 @@ def served_target(args: RegenerateArgs, group: RankGroup) -> RegenerateArgs:
 def generate_share(args: RegenerateArgs, tokenizer, conversations: list[Messages], share: list[int],
                    sink: PartialSink) -> tuple[int, int]:
     """This rank's replies, appended to its partial file batch by batch: (replies, new tokens)."""
+    if os.environ.get("TOKENIZERS_PARALLELISM", "").lower() in ("0", "false", "off", "no"):
+        # a common setting in training scripts (it silences a warning after fork); here it costs a minute
+        logger.warning("TOKENIZERS_PARALLELISM=%s holds the tokenizer to one core: %d prompts are tokenized on it "
+                       "(launch/real.sh's 63,671, 25M tokens: 51 s on one core, 26 s on two); unset it to use "
+                       "them all", os.environ["TOKENIZERS_PARALLELISM"], len(share))
     prompts = dict(zip(share, many_prompt_ids(tokenizer, [conversations[i] for i in share],
                                               **thinking_kwargs(args.thinking))))
     engine = pick_engine(args)

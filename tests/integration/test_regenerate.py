@@ -259,3 +259,16 @@ def test_a_rank_that_dies_stops_rank_0_with_one_line_and_the_run_resumes(tmp_pat
     assert "8 conversations, 5 already done" in capfd.readouterr().err
     assert out.read_bytes() == one_process_output
     assert not list(tmp_path.glob("*.partial"))
+
+
+def test_a_tokenizer_held_to_one_core_is_named(tmp_path, capfd, monkeypatch):
+    """TOKENIZERS_PARALLELISM=false (set by many training scripts) makes the prompts' batch
+    tokenization single-threaded: the run says so, and how to undo it; unset, nothing is said."""
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    run(tmp_path, "--limit", "2")
+    assert "TOKENIZERS_PARALLELISM" not in capfd.readouterr().err
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    run(tmp_path / "held", "--limit", "2")
+    log = capfd.readouterr().err
+    assert "TOKENIZERS_PARALLELISM=false holds the tokenizer to one core: 2 prompts are tokenized on it" in log, log
+    assert "unset it to use them all" in log
