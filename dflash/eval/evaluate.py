@@ -383,15 +383,15 @@ class Judging:
 
 
 def evaluate_drafters(request: EvalRequest, drafters: dict[str, str | Path], device: torch.device,
-                      lengths: list[int]) -> dict[int, dict[str, EvalReport]]:
-    """The figures of each drafter at each of `lengths` new tokens a prompt (request.max_new_tokens
-    aside), each logged. One process judges them all: the target loads once, and the longest
-    length first makes the decoders that the shorter ones reuse."""
+                      lengths: list[int] | None = None) -> dict[int, dict[str, EvalReport]]:
+    """The figures of each drafter at each of `lengths` new tokens a prompt (default: the request's
+    max_new_tokens), each logged. One process judges them all: the target loads once, and the
+    longest length first makes the decoders that the shorter ones reuse."""
     started = time.perf_counter()
     judging = Judging.load(request, drafters, device)
     logger.info("target and drafters loaded in %.1f s", time.perf_counter() - started)
     reports = {}
-    for length in sorted(set(lengths), reverse=True):
+    for length in sorted(set(lengths or [request.max_new_tokens]), reverse=True):
         started = time.perf_counter()
         reports[length] = {name: tally.report() for name, tally in judging.tally(length).items()}
         for name, report in reports[length].items():
