@@ -53,10 +53,8 @@ for variant in ${VARIANTS:-keep drop closed}; do
     --max-tokens 32768 --preset "$PRESET" --cut-replies "$policy" --eval-every "${STEPS:-400}" --eval-dtype bfloat16 \
     --eval-prompts "${EVAL_PROMPTS:-64}" --eval-max-new-tokens 128 --report-to none \
     ${MASK_ID:+--mask-token-id "$MASK_ID"} ${EXTRA_TRAIN_FLAGS:-}
-  for new in ${EVAL_NEW-384}; do
-    "$PY" -m dflash.eval --target "$TARGET" --drafter "$RUN/$variant/drafter" --prompts "$DATA/heldout.jsonl" \
-      --num-prompts "${EVAL_PROMPTS:-64}" --max-new-tokens "$new" --dtype bfloat16 --output "$RUN/eval_${variant}_$new.json"
-  done
+  # shellcheck disable=SC2086  # EVAL_NEW is a list of lengths
+  evaluate bfloat16 "$RUN/$variant/drafter" "$RUN/eval_$variant" ${EVAL_NEW-384}
 done
 
 "$PY" - "$RUN" ${VARIANTS:-keep drop closed} <<'EOF'

@@ -41,10 +41,8 @@ for size in $SIZES; do
     --max-tokens 32768 --preset "$PRESET" --eval-every "${EVAL_EVERY:-250}" --eval-dtype bfloat16 \
     --eval-prompts "${EVAL_PROMPTS:-64}" --eval-max-new-tokens 128 --report-to none \
     ${MASK_ID:+--mask-token-id "$MASK_ID"} ${EXTRA_TRAIN_FLAGS:-}
-  for new in ${EVAL_NEW:-}; do
-    "$PY" -m dflash.eval --target "$TARGET" --drafter "$RUN/n$size/drafter" --prompts "$DATA/heldout.jsonl" \
-      --num-prompts "${EVAL_PROMPTS:-64}" --max-new-tokens "$new" --dtype bfloat16 --output "$RUN/eval_n${size}_$new.json"
-  done
+  # shellcheck disable=SC2086  # EVAL_NEW is a list of lengths
+  evaluate bfloat16 "$RUN/n$size/drafter" "$RUN/eval_n$size" ${EVAL_NEW:-}
 done
 
 "$PY" - "$RUN" $SIZES <<'EOF_PY'

@@ -96,28 +96,18 @@ fi
   --max-tokens "${MAX_TOKENS:-32768}" --preset "$PRESET" ${MASK_ID:+--mask-token-id "$MASK_ID"} ${EXTRA_TRAIN_FLAGS:-}
 train_seconds=$((SECONDS - started))
 
-evaluate() {  # dtype output new_tokens...; float32 fails (exit 1) unless the output is greedy's
-  "$PY" -m dflash.eval --target "$TARGET" --drafter "$RUN/drafter" --prompts "$DATA/heldout.jsonl" \
-    --num-prompts "${EVAL_PROMPTS:-64}" --dtype "$1" --output "$2" --max-new-tokens "${@:3}"
-}
 # shellcheck disable=SC2086  # EVAL_NEW is a list of lengths
 lengths=$(printf '%s\n' ${EVAL_NEW:-128 ${MAX_NEW:-384}} | awk '!seen[$0]++')
-# every bfloat16 length in one process (the target loads, and the decoder compiles, once): with several
-# lengths dflash.eval writes eval_bf16_<length>.json from --output eval_bf16.json
 # shellcheck disable=SC2086
-if [ "$(echo $lengths | wc -w)" = 1 ]; then
-  evaluate bfloat16 "$RUN/eval_bf16_$lengths.json" $lengths
-else
-  evaluate bfloat16 "$RUN/eval_bf16.json" $lengths
-fi
+evaluate bfloat16 "$RUN/drafter" "$RUN/eval_bf16" $lengths  # eval_bf16_<length>.json
 lossless=0
-evaluate float32 "$RUN/eval_fp32.json" "${LOSSLESS_NEW:-128}" || lossless=$?
+evaluate float32 "$RUN/drafter" "$RUN/eval_fp32" "${LOSSLESS_NEW:-128}" || lossless=$?  # eval_fp32_<length>.json
 
 # shellcheck disable=SC2086
-"$PY" - "$RUN" "$DATA/regen.jsonl" "$train_seconds" $lengths <<'EOF'
+"$PY" - "$RUN" "$DATA/regen.jsonl" "$train_seconds" "${LOSSLESS_NEW:-128}" $lengths <<'EOF'
 import json, sys
-run, regen, train_seconds, lengths = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
-fp32 = json.load(open(f"{run}/eval_fp32.json"))["drafter"]
+run, regen, train_seconds, lossless_new, lengths = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5:]
+fp32 = json.load(open(f"{run}/eval_fp32_{lossless_new}.json"))["drafter"]
 steps = json.loads(open(f"{run}/metrics.jsonl").read().splitlines()[-1])["step"]
 samples = sum(1 for _ in open(regen))
 def per_second(report, kind):  # the report's own figure where dflash.eval writes one

