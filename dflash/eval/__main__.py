@@ -2,6 +2,7 @@
 
     python -m dflash.eval --drafter runs/demo/drafter          # demo target and prompts
     python -m dflash.eval --target T --drafter D --prompts heldout.jsonl
+    python -m dflash.eval --target T --drafter D --max-new-tokens 128 384 --output eval.json  # eval_128.json, eval_384.json
 
 Reports tau (tokens per target forward during drafting cycles, bonus token included),
 per-position acceptance, wall-clock speedup over plain greedy decoding of the same target,
